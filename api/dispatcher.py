@@ -1,0 +1,198 @@
+"""The loop that starts queued jobs and follows running ones (level-triggered: every pass reads the
+world and makes one idempotent move per job, so a missed event or an API restart heals itself)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from api import jobs as service
+from api.datasets import DatasetUnavailable, StorageUnreachable, check_dataset
+from api.db import session_scope
+from api.executors import Executor, Observation
+from api.models import Job, utcnow
+from api.settings import Settings
+from api.states import JobStatus
+from worker.config import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED
+
+log = logging.getLogger(__name__)
+
+BATCH = 20
+
+
+class Dispatcher:
+    def __init__(self, engine: Engine, executor: Executor, settings: Settings) -> None:
+        self.engine = engine
+        self.executor = executor
+        self.settings = settings
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- the loop ---
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="tputune-dispatcher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def wake(self) -> None:
+        """Run a pass now (a job was just created or cancelled)."""
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:
+                log.exception("dispatcher pass failed; retrying")
+            self._wake.wait(self.settings.dispatch_interval_seconds)
+            self._wake.clear()
+
+    def tick(self) -> None:
+        with session_scope(self.engine) as session:
+            for job in self._jobs(session, [JobStatus.queued]):
+                self._guard(session, job, self._claim)
+            for job in self._jobs(session, [JobStatus.starting, JobStatus.running, JobStatus.cancelling]):
+                self._guard(session, job, self._follow)
+
+    def _jobs(self, session: Session, statuses: list[JobStatus]) -> list[Job]:
+        query = select(Job).where(col(Job.status).in_(statuses), Job.executor == self.executor.name)
+        return list(session.exec(query.order_by(col(Job.seq)).limit(BATCH * 10)).all())
+
+    def _guard(self, session: Session, job: Job, step: Any) -> None:
+        try:
+            step(session, job)
+        except Exception:
+            session.rollback()
+            log.exception("job %s: dispatcher step failed; it will be retried", job.id)
+
+    # --- one move per job ---
+
+    def _claim(self, session: Session, job: Job) -> None:
+        if service.transition(session, job, JobStatus.starting, "Checking the dataset."):
+            self._launch(session, job)
+
+    def _follow(self, session: Session, job: Job) -> None:
+        if job.status == JobStatus.cancelling:
+            self._cancel(session, job)
+        elif job.launched_at is None:
+            self._launch(session, job)
+        else:
+            self._reconcile(session, job, self.executor.observe(job))
+
+    def _launch(self, session: Session, job: Job) -> None:
+        spec = job.spec
+        try:
+            check_dataset(spec["dataset_uri"], self.settings)
+            if spec.get("validation_uri"):
+                check_dataset(spec["validation_uri"], self.settings, what="validation")
+        except DatasetUnavailable as exc:
+            service.transition(
+                session, job, JobStatus.failed, exc.message, error_code=exc.code, error_message=exc.message
+            )
+            return
+        except StorageUnreachable as exc:
+            self._note(session, job, f"{exc}; retrying.")
+            return
+        handle = self.executor.find(job)
+        if handle is None:
+            token, token_hash = service.new_job_token()
+            job.token_hash = token_hash
+            session.add(job)
+            session.commit()  # the hash is stored before any worker can hold the token
+            try:
+                handle = self.executor.launch(job, token)
+            except OSError as exc:
+                message = f"The worker could not be started: {exc}"
+                service.transition(
+                    session, job, JobStatus.failed, message, error_code="launch_failed", error_message=message
+                )
+                return
+            event = "Workers started."
+        else:
+            event = "Found the job's workers already running; adopted them."
+        job.launch = handle
+        job.launched_at = utcnow()
+        job.status_message = "Workers started; waiting for the first report."
+        session.add(job)
+        service.add_event(session, job, "launch", event, data={"executor": self.executor.name})
+        session.commit()
+        log.info("job %s launched: %s", job.id, handle)
+
+    def _note(self, session: Session, job: Job, message: str) -> None:
+        if job.status_message != message:
+            job.status_message = message
+            session.add(job)
+            session.commit()
+
+    def _reconcile(self, session: Session, job: Job, seen: Observation) -> None:
+        if seen.state == "pending":
+            self._note(session, job, seen.reason or "Waiting for resources.")
+        elif seen.state == "running":
+            return
+        elif seen.state == "gone":
+            message = seen.reason or "The workers disappeared."
+            service.transition(
+                session, job, JobStatus.failed, message, error_code="worker_lost", error_message=message
+            )
+        elif seen.exit_code == EXIT_OK and not job.error_code:
+            service.transition(session, job, JobStatus.succeeded, "Training finished.")
+        elif seen.exit_code == EXIT_PREEMPTED:
+            self._restart(session, job)
+        else:
+            self._fail(session, job, seen.exit_code)
+
+    def _fail(self, session: Session, job: Job, exit_code: int | None) -> None:
+        if job.error_code:
+            code, message = job.error_code, job.error_message or ""
+        elif exit_code == EXIT_BAD_INPUT:
+            code, message = "invalid_input", "The worker rejected the job's input; see the job's logs."
+        else:
+            code = "worker_failed"
+            lines, _ = self.executor.logs(job, 5)
+            tail = " | ".join(line.strip() for line in lines if line.strip())[-1500:]
+            message = f"The worker exited with status {exit_code}." + (
+                f" Last log lines: {tail}" if tail else ""
+            )
+        service.transition(session, job, JobStatus.failed, message, error_code=code, error_message=message)
+
+    def _restart(self, session: Session, job: Job) -> None:
+        if job.restarts >= self.settings.local_max_restarts:
+            message = f"The workers were preempted {job.restarts + 1} times; giving up (TPUTUNE_LOCAL_MAX_RESTARTS)."
+            service.transition(
+                session, job, JobStatus.failed, message, error_code="too_many_restarts", error_message=message
+            )
+            return
+        token, token_hash = service.new_job_token()
+        job.token_hash = token_hash
+        job.restarts += 1
+        session.add(job)
+        session.commit()
+        job.launch = self.executor.restart(job, token)
+        job.status_message = (
+            f"Restarted after a preemption (restart {job.restarts}); resuming from the last checkpoint."
+        )
+        session.add(job)
+        service.add_event(session, job, "restart", job.status_message, data={"restarts": job.restarts})
+        session.commit()
+
+    def _cancel(self, session: Session, job: Job) -> None:
+        if job.launched_at is None:
+            # A run may exist that was started but not recorded (a crash in between): stop it too.
+            handle = self.executor.find(job)
+            if handle is not None:
+                job.launch, job.launched_at = handle, utcnow()
+                session.add(job)
+                session.commit()
+        if job.launched_at is None or self.executor.cancel(job):
+            service.transition(session, job, JobStatus.cancelled, "Cancelled; the workers are stopped.")

@@ -1,0 +1,112 @@
+"""Errors users see: a stable code and a sentence, in one shape: {"error": {code, message, param}}."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, get_args
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic_core.core_schema import ErrorType
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+        self.headers = headers
+
+
+def not_found(job_id: str) -> ApiError:
+    return ApiError(404, "job_not_found", f"No job with id '{job_id}'. List your jobs with GET /jobs.")
+
+
+def _body(
+    code: str, message: str, param: str | None = None, details: list[dict[str, Any]] | None = None
+) -> dict:
+    error: dict[str, Any] = {"code": code, "message": message, "param": param}
+    if details is not None:
+        error["details"] = details
+    return {"error": error}
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or "body"
+
+
+# pydantic's built-in error types are not our codes; our validators raise PydanticCustomError with ours.
+_BUILTIN_ERROR_TYPES = frozenset(get_args(ErrorType))
+
+
+def validation_response(errors: list[Any]) -> JSONResponse:
+    details = []
+    for err in errors:
+        error_type = str(err.get("type", ""))
+        details.append(
+            {
+                "param": _loc(tuple(err.get("loc", ()))),
+                "code": "invalid_value" if error_type in _BUILTIN_ERROR_TYPES else error_type,
+                "message": str(err.get("msg", "invalid value")).removeprefix("Value error, "),
+            }
+        )
+    codes = {d["code"] for d in details}
+    code = "invalid_request" if codes == {"invalid_value"} or len(codes) > 1 else codes.pop()
+    message = "; ".join(f"{d['param']}: {d['message']}" for d in details)
+    param = details[0]["param"] if len(details) == 1 else None
+    return JSONResponse(status_code=422, content=_body(code, message, param, details))
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(
+            status_code=exc.status, content=_body(exc.code, exc.message, exc.param), headers=exc.headers
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_response(list(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        codes = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+        code = codes.get(exc.status_code, "http_error")
+        message = str(exc.detail) if exc.detail else code
+        if exc.status_code == 404:
+            message = "No such route. The API reference is at /docs."
+        return JSONResponse(status_code=exc.status_code, content=_body(code, message), headers=exc.headers)
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(PoolTimeout)
+    async def _database_away(_request: Request, exc: Exception) -> JSONResponse:
+        log.warning("database unavailable: %s", type(exc).__name__)
+        return JSONResponse(
+            status_code=503,
+            content=_body("database_unavailable", "The database is unreachable; retry in a few seconds."),
+            headers={"Retry-After": "2"},
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(
+            status_code=500,
+            content=_body("internal_error", "Something went wrong on our side; it was logged."),
+        )

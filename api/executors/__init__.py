@@ -1,0 +1,55 @@
+"""The seam between the control plane and what runs jobs. Nothing above it knows processes or JobSets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from api.models import Job
+from api.settings import Settings
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What an executor sees of a launched job.
+
+    state: `running` (still going), `exited` (ended with `exit_code`), `gone` (no trace of it: died without
+    an exit status, or never launched), `pending` (launched but waiting for resources; `reason` says why).
+    """
+
+    state: Literal["pending", "running", "exited", "gone"]
+    exit_code: int | None = None
+    reason: str | None = None
+    restarts: int = 0
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class Executor(Protocol):
+    name: str
+
+    def find(self, job: Job) -> dict[str, Any] | None:
+        """The launch handle of a run of this job that already exists (adopt it), or None."""
+
+    def launch(self, job: Job, token: str) -> dict[str, Any]:
+        """Start the job's workers with its token; idempotent per job id. Returns the launch handle."""
+
+    def observe(self, job: Job) -> Observation:
+        """Look at a launched job (its `launch` handle is set)."""
+
+    def cancel(self, job: Job) -> bool:
+        """Ask the run to stop (first call: graceful; later calls past the grace period: forceful).
+        Returns True once nothing of it runs any more."""
+
+    def restart(self, job: Job, token: str) -> dict[str, Any]:
+        """Start the run again after a preemption exit (it resumes from its last checkpoint)."""
+
+    def logs(self, job: Job, tail: int) -> tuple[list[str], bool]:
+        """The last `tail` lines of the job's log and whether older lines were left out."""
+
+
+def make_executor(settings: Settings) -> Executor:
+    if settings.executor == "local":
+        from api.executors.local import LocalExecutor
+
+        return LocalExecutor(settings)
+    raise NotImplementedError("The kubernetes executor is not available yet; set TPUTUNE_EXECUTOR=local.")

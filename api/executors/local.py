@@ -1,0 +1,181 @@
+"""The embedded executor: each job runs as a local process group under `python -m api.runner`.
+
+A run is identified by its runner's pid *and* start time (pids are reused), recorded by the runner in
+the job dir and found again by scanning /proc for the job id in a process's environment, so a crash
+between "started" and "recorded" adopts the run instead of starting a second one.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from api.executors import Observation
+from api.models import Job
+from api.runner import EXIT_FILE, RUNNER_FILE, process_start_time, write_json_atomic
+from api.settings import Settings
+from worker.config import ENV_API_URL, ENV_JOB_ID, ENV_JOB_TOKEN, JobSpec, WorkerConfig
+
+ENV_RUNNER = "TPUTUNE_RUNNER"
+CONFIG_FILE = "config.json"
+LOG_FILE = "worker.log"
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    import json
+
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(handle: dict[str, Any]) -> bool:
+    pid, start = handle.get("pid"), handle.get("start_time")
+    return pid is not None and start is not None and process_start_time(int(pid)) == start
+
+
+def _runner_of(job_id: str) -> int | None:
+    """The pid of a live runner process whose environment names this job, if any."""
+    needle = f"{ENV_JOB_ID}={job_id}\0".encode()
+    marker = f"{ENV_RUNNER}=1\0".encode()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = Path(entry.path, "environ").read_bytes() + b"\0"
+        except OSError:
+            continue
+        if needle in environ and marker in environ and process_start_time(int(entry.name)) is not None:
+            return int(entry.name)
+    return None
+
+
+class LocalExecutor:
+    name = "local"
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._children: dict[str, subprocess.Popen[bytes]] = {}
+        self._cancel_started: dict[str, float] = {}
+
+    def job_dir(self, job: Job) -> Path:
+        return self.settings.jobs_dir / job.id
+
+    def find(self, job: Job) -> dict[str, Any] | None:
+        job_dir = self.job_dir(job)
+        recorded = _read_json(job_dir / RUNNER_FILE)
+        if recorded and _alive(recorded):
+            return {**recorded, "pgid": recorded["pid"]}
+        pid = _runner_of(job.id)
+        if pid is not None:
+            return {"pid": pid, "pgid": pid, "start_time": process_start_time(pid)}
+        if (job_dir / EXIT_FILE).exists() and recorded:
+            return {**recorded, "pgid": recorded["pid"]}  # it already ran to the end
+        return None
+
+    def launch(self, job: Job, token: str) -> dict[str, Any]:
+        existing = self.find(job)
+        if existing is not None:
+            return existing
+        return self._start(job, token)
+
+    def restart(self, job: Job, token: str) -> dict[str, Any]:
+        return self._start(job, token)
+
+    def _start(self, job: Job, token: str) -> dict[str, Any]:
+        job_dir = self.job_dir(job)
+        job_dir.mkdir(parents=True, exist_ok=True)
+        for stale in (EXIT_FILE, RUNNER_FILE):
+            (job_dir / stale).unlink(missing_ok=True)
+        spec = JobSpec.model_validate(job.spec)
+        config = WorkerConfig(job_id=job.id, spec=spec, output_uri=job.output_uri)
+        write_json_atomic(job_dir / CONFIG_FILE, config.model_dump(mode="json"))
+        # Workers get the job's token, not the API's own settings (the database URL may hold a password).
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TPUTUNE_")}
+        env.update(
+            {
+                ENV_API_URL: self.settings.resolved_public_url,
+                ENV_JOB_TOKEN: token,
+                ENV_JOB_ID: job.id,
+                ENV_RUNNER: "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        command = [
+            sys.executable,
+            "-m",
+            "api.runner",
+            "--job-dir",
+            str(job_dir),
+            "--processes",
+            str(spec.resources.processes or 1),
+            "--",
+            *shlex.split(self.settings.worker_command),
+            "--config",
+            str(job_dir / CONFIG_FILE),
+        ]
+        with open(job_dir / "runner.log", "ab") as runner_log:
+            child = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=runner_log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=job_dir,
+                start_new_session=True,
+            )
+        self._children[job.id] = child
+        self._cancel_started.pop(job.id, None)
+        return {"pid": child.pid, "pgid": child.pid, "start_time": process_start_time(child.pid)}
+
+    def observe(self, job: Job) -> Observation:
+        child = self._children.get(job.id)
+        if child is not None and child.poll() is not None:
+            self._children.pop(job.id, None)
+        exit_info = _read_json(self.job_dir(job) / EXIT_FILE)
+        if exit_info is not None:
+            return Observation("exited", exit_code=int(exit_info["exit_code"]))
+        handle = job.launch or {}
+        if _alive(handle):
+            return Observation("running")
+        return Observation("gone", reason="The worker processes ended without recording an exit status.")
+
+    def cancel(self, job: Job) -> bool:
+        handle = job.launch or {}
+        if not _alive(handle):
+            self.observe(job)  # reap our own child
+            return True
+        pgid = int(handle["pgid"])
+        started = self._cancel_started.setdefault(job.id, time.monotonic())
+        sig = (
+            signal.SIGTERM
+            if time.monotonic() - started < self.settings.cancel_grace_seconds
+            else signal.SIGKILL
+        )
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return True
+        return False
+
+    def logs(self, job: Job, tail: int) -> tuple[list[str], bool]:
+        path = self.job_dir(job) / LOG_FILE
+        try:
+            with open(path, "rb") as handle:
+                size = handle.seek(0, os.SEEK_END)
+                chunk = min(size, max(65536, tail * 400))
+                handle.seek(size - chunk)
+                data = handle.read()
+        except FileNotFoundError:
+            return [], False
+        lines = data.decode("utf-8", "replace").splitlines()
+        if chunk < size:
+            lines = lines[1:]  # the first line may be cut
+        return lines[-tail:], chunk < size or len(lines) > tail

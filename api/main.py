@@ -1,0 +1,111 @@
+"""The FastAPI application: `create_app(settings)` wires the database, executor and dispatcher."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api import errors
+from api.db import make_engine
+from api.dispatcher import Dispatcher
+from api.executors import make_executor
+from api.routes import health, jobs
+from api.settings import Settings
+
+DESCRIPTION = """Fine-tune Gemma 3 with JAX: on a GKE TPU slice as a JobSet, or as local worker processes.
+
+Create a job with `POST /jobs`, follow it with `GET /jobs/{id}` and `GET /jobs/{id}/events`.
+Errors always look like `{"error": {"code": "...", "message": "...", "param": "..."}}`.
+"""
+
+
+class BodySizeLimit:
+    """Refuse bodies over the limit with 413, whether or not the client sent Content-Length."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                if value.isdigit() and int(value) > self.max_bytes:
+                    await self._reject(send)
+                    return
+                await self.app(scope, receive, send)  # the server holds the body to its declared length
+                return
+        # No Content-Length (chunked): read the body here, within the limit, then hand it on.
+        messages: list[Message] = []
+        seen = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                await self._reject(send)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, send: Send) -> None:
+        body = (
+            b'{"error":{"code":"body_too_large","message":"The request body is larger than '
+            + str(self.max_bytes).encode()
+            + b' bytes; send less.","param":null}}'
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastAPI:
+    settings = settings or Settings()
+    settings.ensure_dirs()
+    engine = engine or make_engine(settings.resolved_database_url)
+    executor = make_executor(settings)
+    dispatcher = Dispatcher(engine, executor, settings) if settings.dispatcher_enabled else None
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if dispatcher is not None:
+            dispatcher.start()
+        try:
+            yield
+        finally:
+            if dispatcher is not None:
+                dispatcher.stop()
+
+    app = FastAPI(title="tputune", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.executor = executor
+    app.state.dispatcher = dispatcher
+    errors.install(app)
+    app.include_router(health.router)
+    app.include_router(jobs.router)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    logging.getLogger("api").setLevel(settings.log_level.upper())
+    return app

@@ -1,0 +1,115 @@
+"""SQL tables (storage). The wire format lives in api/schemas.py; Alembic migrations create these."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Column, DateTime, Index, Integer, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def as_utc(value: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes; every stored time is UTC."""
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=UTC)
+
+
+def _ts(nullable: bool = True) -> Any:
+    return Field(default=None, sa_type=DateTime(timezone=True), nullable=nullable)
+
+
+class Job(SQLModel, table=True):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        Index("ix_jobs_tenant_seq", "tenant", "seq"),
+        Index("ix_jobs_tenant_status_seq", "tenant", "status", "seq"),
+        Index("ix_jobs_status_seq", "status", "seq"),
+    )
+
+    # seq orders the list (newest first) and backs the cursor; id is the public, unguessable name.
+    seq: int | None = Field(
+        default=None, sa_column=Column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    )
+    id: str = Field(max_length=32, unique=True, index=True)
+    tenant: str = Field(default="default", max_length=64)
+    name: str = Field(max_length=128)
+    status: str = Field(max_length=16)
+    model: str = Field(max_length=32)
+    method: str = Field(max_length=8)
+    spec: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    executor: str = Field(max_length=16)
+
+    created_at: datetime = Field(default_factory=utcnow, sa_type=DateTime(timezone=True), nullable=False)
+    updated_at: datetime = Field(default_factory=utcnow, sa_type=DateTime(timezone=True), nullable=False)
+    started_at: datetime | None = _ts()
+    finished_at: datetime | None = _ts()
+    launched_at: datetime | None = _ts()
+    cancel_requested_at: datetime | None = _ts()
+
+    status_message: str | None = Field(default=None, max_length=2000)
+    step: int = 0
+    total_steps: int | None = None
+    epoch: float | None = None
+    eta_seconds: float | None = None
+    loss: float | None = None
+    eval_loss: float | None = None
+    learning_rate: float | None = None
+    tokens_per_second: float | None = None
+    trained_tokens: int = Field(default=0, sa_type=BigInteger)
+    restarts: int = 0
+    error_code: str | None = Field(default=None, max_length=64)
+    error_message: str | None = Field(default=None, max_length=4000)
+    output_uri: str = Field(max_length=2048)
+    checkpoint_uri: str | None = Field(default=None, max_length=2048)
+
+    token_hash: str | None = Field(default=None, max_length=64)
+    launch: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+
+
+class JobMetadata(SQLModel, table=True):
+    """Metadata pairs, one row each, so `GET /jobs?metadata[k]=v` is an indexed lookup."""
+
+    __tablename__ = "job_metadata"
+    __table_args__ = (Index("ix_job_metadata_key_value", "key", "value"),)
+
+    job_seq: int = Field(sa_type=BigInteger, foreign_key="jobs.seq", primary_key=True, ondelete="CASCADE")
+    key: str = Field(max_length=64, primary_key=True)
+    value: str = Field(max_length=512)
+
+
+class JobEvent(SQLModel, table=True):
+    __tablename__ = "job_events"
+    __table_args__ = (
+        UniqueConstraint("job_seq", "dedupe_key", name="uq_job_events_dedupe"),
+        Index("ix_job_events_job_id", "job_seq", "id"),
+        Index("ix_job_events_job_type_step", "job_seq", "type", "step"),
+    )
+
+    id: int | None = Field(
+        default=None, sa_column=Column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    )
+    job_seq: int = Field(sa_type=BigInteger, foreign_key="jobs.seq", ondelete="CASCADE")
+    created_at: datetime = Field(default_factory=utcnow, sa_type=DateTime(timezone=True), nullable=False)
+    type: str = Field(max_length=16)
+    level: str = Field(default="info", max_length=8)
+    message: str = Field(default="", max_length=4000)
+    step: int | None = None
+    data: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    # Set for worker reports: `kind:step:key`, so a retried report is stored once.
+    dedupe_key: str | None = Field(default=None, max_length=128)
+
+
+class IdempotencyKey(SQLModel, table=True):
+    __tablename__ = "idempotency_keys"
+
+    tenant: str = Field(max_length=64, primary_key=True)
+    key: str = Field(max_length=255, primary_key=True)
+    request_hash: str = Field(max_length=64)
+    job_id: str = Field(max_length=32)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=DateTime(timezone=True), nullable=False)

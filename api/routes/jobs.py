@@ -1,0 +1,185 @@
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Header, Query, Request, Response
+
+from api import jobs as service
+from api.deps import DispatcherDep, ExecutorDep, SessionDep, SettingsDep, TenantDep
+from api.schemas import (
+    EXAMPLE_JOB,
+    ErrorResponse,
+    EventPage,
+    EventPublic,
+    JobCreate,
+    JobPage,
+    JobPublic,
+    LogsResponse,
+)
+from api.states import JobStatus
+from worker.protocol import ProgressAck, ProgressBatch
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+_errors: dict[int | str, dict[str, Any]] = {
+    404: {"model": ErrorResponse, "description": "No such job."},
+}
+_METADATA_PARAM = re.compile(r"^metadata\[(.+)\]$")
+
+_PROGRESS_EXAMPLE = {
+    "reports": [
+        {"kind": "status", "step": 0, "phase": "training", "message": "Training started."},
+        {
+            "kind": "metrics",
+            "step": 10,
+            "total_steps": 500,
+            "epoch": 0.02,
+            "loss": 2.31,
+            "learning_rate": 0.0001,
+            "grad_norm": 0.8,
+            "tokens_per_second": 15300.0,
+            "trained_tokens": 40960,
+            "eta_seconds": 1300.0,
+        },
+        {"kind": "checkpoint", "step": 200, "uri": "gs://my-bucket/out/checkpoints/200", "loss": 1.9},
+    ]
+}
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=JobPublic,
+    summary="Create a fine-tuning job",
+    responses={
+        200: {"model": JobPublic, "description": "The job created earlier with this Idempotency-Key."},
+        409: {"model": ErrorResponse, "description": "The Idempotency-Key was used with another body."},
+        413: {"model": ErrorResponse, "description": "The body is too large."},
+        422: {"model": ErrorResponse, "description": "The spec is invalid; `error.code` says how."},
+    },
+)
+def create_job(
+    spec: Annotated[
+        JobCreate, Body(openapi_examples={"lora": {"summary": "LoRA on a TPU slice", "value": EXAMPLE_JOB}})
+    ],
+    session: SessionDep,
+    settings: SettingsDep,
+    tenant: TenantDep,
+    dispatcher: DispatcherDep,
+    response: Response,
+    idempotency_key: Annotated[
+        str | None,
+        Header(max_length=255, description="Retry-safe creation: the same key and body return the same job."),
+    ] = None,
+) -> JobPublic:
+    job, created = service.create_job(session, spec, settings, tenant, idempotency_key)
+    if created:
+        if dispatcher is not None:
+            dispatcher.wake()
+    else:
+        response.status_code = 200
+    return JobPublic.of(job)
+
+
+@router.get("", response_model=JobPage, summary="List jobs, newest first")
+def list_jobs(
+    request: Request,
+    session: SessionDep,
+    tenant: TenantDep,
+    status: Annotated[list[JobStatus] | None, Query(description="Only jobs in these statuses.")] = None,
+    after: Annotated[str | None, Query(description="A job id: return the jobs older than it.")] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> JobPage:
+    """Filter by metadata with `metadata[key]=value` query parameters (all must match)."""
+    metadata = {}
+    for name, value in request.query_params.multi_items():
+        match = _METADATA_PARAM.match(name)
+        if match:
+            metadata[match.group(1)] = value
+    rows, has_more = service.list_jobs(
+        session, tenant, status=status or [], metadata=metadata, after=after, limit=limit
+    )
+    return JobPage(
+        data=[JobPublic.of(job) for job in rows],
+        has_more=has_more,
+        next_after=rows[-1].id if has_more else None,
+    )
+
+
+@router.get("/{job_id}", response_model=JobPublic, summary="Get a job", responses=_errors)
+def get_job(job_id: str, session: SessionDep, tenant: TenantDep) -> JobPublic:
+    return JobPublic.of(service.get_job(session, tenant, job_id))
+
+
+@router.post(
+    "/{job_id}/cancel",
+    response_model=JobPublic,
+    summary="Cancel a job",
+    responses={**_errors, 409: {"model": ErrorResponse, "description": "The job already finished."}},
+)
+def cancel_job(job_id: str, session: SessionDep, tenant: TenantDep, dispatcher: DispatcherDep) -> JobPublic:
+    """A queued job is cancelled at once; a running one goes to `cancelling` until its workers stop."""
+    job = service.request_cancel(session, tenant, job_id)
+    if dispatcher is not None:
+        dispatcher.wake()
+    return JobPublic.of(job)
+
+
+@router.get("/{job_id}/events", response_model=EventPage, summary="A job's events", responses=_errors)
+def list_events(
+    job_id: str,
+    session: SessionDep,
+    tenant: TenantDep,
+    after: Annotated[int | None, Query(ge=0, description="An event id: return the events after it.")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    type: Annotated[
+        list[str] | None,
+        Query(
+            description="Only these types: status, metrics, eval, checkpoint, sample, result, restart, "
+            "launch, warning, error."
+        ),
+    ] = None,
+) -> EventPage:
+    """Oldest first: status changes, metrics points, checkpoints, samples, restarts, warnings, errors."""
+    job = service.get_job(session, tenant, job_id)
+    rows, has_more = service.list_events(session, job, after=after, limit=limit, types=type or [])
+    return EventPage(
+        data=[EventPublic.of(e) for e in rows],
+        has_more=has_more,
+        next_after=rows[-1].id if has_more else None,
+    )
+
+
+@router.get("/{job_id}/logs", response_model=LogsResponse, summary="The job's worker log", responses=_errors)
+def job_logs(
+    job_id: str,
+    session: SessionDep,
+    tenant: TenantDep,
+    executor: ExecutorDep,
+    tail: Annotated[int, Query(ge=1, le=10_000)] = 200,
+) -> LogsResponse:
+    job = service.get_job(session, tenant, job_id)
+    lines, truncated = executor.logs(job, tail) if job.launched_at is not None else ([], False)
+    return LogsResponse(job_id=job.id, lines=lines, truncated=truncated)
+
+
+@router.post(
+    "/{job_id}/progress",
+    response_model=ProgressAck,
+    summary="Worker reports (for the worker, with its job token)",
+    responses={401: {"model": ErrorResponse, "description": "Missing or wrong job token."}},
+)
+def post_progress(
+    job_id: str,
+    batch: Annotated[ProgressBatch, Body(openapi_examples={"reports": {"value": _PROGRESS_EXAMPLE}})],
+    session: SessionDep,
+    authorization: Annotated[str | None, Header(description="`Bearer <TPUTUNE_JOB_TOKEN>`")] = None,
+) -> ProgressAck:
+    """The worker's side of the contract is described in `worker/protocol.py`: batches of reports,
+    stored once per (job, kind, step, key), so retrying a batch is safe."""
+    token = None
+    if authorization and authorization.lower().startswith("bearer "):
+        token = authorization[7:].strip()
+    job = service.authenticate_worker(session, job_id, token)
+    return service.ingest_progress(session, job, batch)

@@ -1,0 +1,177 @@
+"""The API's wire format (a contract); tables live in api/models.py."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from api.models import Job, JobEvent, as_utc
+from worker.config import JobSpec
+
+EXAMPLE_JOB = {
+    "name": "stories-lora",
+    "model": "gemma3-270m-pt",
+    "method": {"type": "lora", "lora_rank": 8},
+    "dataset_uri": "gs://my-bucket/tinystories/train.txt",
+    "validation_split": 0.01,
+    "hyperparameters": {
+        "epochs": 1,
+        "batch_size": 32,
+        "learning_rate": 0.0001,
+        "warmup_steps": 20,
+        "max_seq_len": 512,
+        "eval_every_steps": 100,
+        "checkpoint_every_steps": 200,
+    },
+    "resources": {"accelerator": "v6e", "topology": "2x4"},
+    "metadata": {"team": "research"},
+}
+
+
+class JobCreate(JobSpec):
+    """A fine-tuning job as submitted (the same schema the worker reads)."""
+
+    model_config = {"json_schema_extra": {"examples": [EXAMPLE_JOB]}}
+
+
+class ErrorBody(BaseModel):
+    code: str = Field(description="Stable machine-readable code.")
+    message: str = Field(description="What was wrong and what to do.")
+    param: str | None = Field(default=None, description="The request field at fault, if one.")
+    details: list[dict[str, Any]] | None = Field(default=None, description="Every field error, for 422s.")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class JobProgress(BaseModel):
+    step: int
+    total_steps: int | None
+    epoch: float | None
+    fraction: float | None = Field(description="step / total_steps, 0..1.")
+    eta_seconds: float | None
+
+
+class JobMetrics(BaseModel):
+    loss: float | None
+    eval_loss: float | None
+    learning_rate: float | None
+    tokens_per_second: float | None
+
+
+class JobError(BaseModel):
+    code: str
+    message: str
+
+
+class JobPublic(BaseModel):
+    id: str
+    object: str = "fine_tuning.job"
+    name: str
+    status: str
+    status_message: str | None
+    model: str
+    method: str
+    executor: str
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    progress: JobProgress
+    metrics: JobMetrics
+    trained_tokens: int
+    restarts: int
+    error: JobError | None
+    output_uri: str
+    checkpoint_uri: str | None
+    metadata: dict[str, str]
+    spec: JobSpec
+
+    @classmethod
+    def of(cls, job: Job) -> JobPublic:
+        spec = JobSpec.model_validate(job.spec)
+        fraction = None
+        if job.total_steps:
+            fraction = min(1.0, job.step / job.total_steps)
+        return cls(
+            id=job.id,
+            name=job.name,
+            status=job.status,
+            status_message=job.status_message,
+            model=job.model,
+            method=job.method,
+            executor=job.executor,
+            created_at=as_utc(job.created_at),  # type: ignore[arg-type]
+            started_at=as_utc(job.started_at),
+            finished_at=as_utc(job.finished_at),
+            progress=JobProgress(
+                step=job.step,
+                total_steps=job.total_steps,
+                epoch=job.epoch,
+                fraction=fraction,
+                eta_seconds=job.eta_seconds,
+            ),
+            metrics=JobMetrics(
+                loss=job.loss,
+                eval_loss=job.eval_loss,
+                learning_rate=job.learning_rate,
+                tokens_per_second=job.tokens_per_second,
+            ),
+            trained_tokens=job.trained_tokens,
+            restarts=job.restarts,
+            error=JobError(code=job.error_code, message=job.error_message or "") if job.error_code else None,
+            output_uri=job.output_uri,
+            checkpoint_uri=job.checkpoint_uri,
+            metadata=spec.metadata,
+            spec=spec,
+        )
+
+
+class JobPage(BaseModel):
+    object: str = "list"
+    data: list[JobPublic]
+    has_more: bool
+    next_after: str | None = Field(description="Pass as `after` to get the next page.")
+
+
+class EventPublic(BaseModel):
+    id: int
+    created_at: datetime
+    type: str = Field(
+        description="status, metrics, eval, checkpoint, sample, result, restart, warning, error"
+    )
+    level: str
+    message: str
+    step: int | None
+    data: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, event: JobEvent) -> EventPublic:
+        return cls(
+            id=event.id or 0,
+            created_at=as_utc(event.created_at),  # type: ignore[arg-type]
+            type=event.type,
+            level=event.level,
+            message=event.message,
+            step=event.step,
+            data=event.data,
+        )
+
+
+class EventPage(BaseModel):
+    object: str = "list"
+    data: list[EventPublic]
+    has_more: bool
+    next_after: int | None
+
+
+class LogsResponse(BaseModel):
+    job_id: str
+    lines: list[str]
+    truncated: bool = Field(description="True when older lines were left out (see `tail`).")
+
+
+class Health(BaseModel):
+    status: str

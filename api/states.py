@@ -1,0 +1,53 @@
+"""The job state machine: the one place that says which status may follow which."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class JobStatus(StrEnum):
+    queued = "queued"
+    starting = "starting"
+    running = "running"
+    cancelling = "cancelling"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+FINAL = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled})
+ACTIVE = frozenset({JobStatus.starting, JobStatus.running, JobStatus.cancelling})
+
+TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
+    JobStatus.queued: frozenset({JobStatus.starting, JobStatus.cancelled, JobStatus.failed}),
+    # A worker can finish before its first report moves the job to running.
+    JobStatus.starting: frozenset(
+        {JobStatus.running, JobStatus.succeeded, JobStatus.failed, JobStatus.cancelling, JobStatus.cancelled}
+    ),
+    JobStatus.running: frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.cancelling}),
+    # A run can end on its own before the cancel reaches it: record what really happened.
+    JobStatus.cancelling: frozenset({JobStatus.cancelled, JobStatus.succeeded, JobStatus.failed}),
+    JobStatus.succeeded: frozenset(),
+    JobStatus.failed: frozenset(),
+    JobStatus.cancelled: frozenset(),
+}
+
+
+class InvalidTransition(Exception):
+    def __init__(self, current: str, target: str) -> None:
+        super().__init__(f"a job cannot go from '{current}' to '{target}'")
+        self.current = current
+        self.target = target
+
+
+def can_transition(current: str, target: str) -> bool:
+    return JobStatus(target) in TRANSITIONS[JobStatus(current)]
+
+
+def check_transition(current: str, target: str) -> None:
+    if not can_transition(current, target):
+        raise InvalidTransition(current, target)
+
+
+def is_final(status: str) -> bool:
+    return JobStatus(status) in FINAL

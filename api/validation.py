@@ -1,0 +1,80 @@
+"""Checks on a job spec that depend on this deployment's settings (the spec checks itself otherwise)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from api.errors import ApiError
+from api.settings import Settings
+from worker.config import TINY_MODEL, JobSpec
+
+
+def _under_roots(path: str, roots: list[Path]) -> bool:
+    real = Path(os.path.realpath(path))
+    return any(real == root or root in real.parents for root in roots)
+
+
+def check_local_paths(spec: JobSpec, settings: Settings) -> None:
+    fields = {
+        "dataset_uri": spec.dataset_uri,
+        "validation_uri": spec.validation_uri,
+        "output_uri": spec.output_uri,
+        "base_checkpoint_uri": spec.base_checkpoint_uri,
+        "tokenizer_uri": spec.tokenizer_uri,
+    }
+    roots = settings.data_roots
+    for field, uri in fields.items():
+        if uri is None or uri.startswith("gs://"):
+            continue
+        if not _under_roots(uri, roots):
+            allowed = ", ".join(str(r) for r in roots)
+            raise ApiError(
+                422,
+                "path_not_allowed",
+                f"{field}: the local path {uri} is outside the allowed data roots ({allowed}); "
+                "move the file under one of them, or add its directory to TPUTUNE_ALLOWED_DATA_ROOTS.",
+                param=field,
+            )
+
+
+def check_resources(spec: JobSpec, settings: Settings) -> None:
+    res = spec.resources
+    if settings.executor == "local":
+        if res.accelerator is not None or res.topology is not None or res.slices != 1:
+            raise ApiError(
+                422,
+                "resources_not_supported",
+                "This server runs jobs as local processes: leave out resources.accelerator, topology and "
+                "slices, and set resources.processes instead.",
+                param="resources",
+            )
+        processes = res.processes or 1
+        if processes > settings.max_local_processes:
+            raise ApiError(
+                422,
+                "too_many_processes",
+                f"resources.processes is {processes}; this server allows at most {settings.max_local_processes}.",
+                param="resources.processes",
+            )
+        if spec.hyperparameters.batch_size % processes:
+            raise ApiError(
+                422,
+                "batch_size_not_divisible",
+                f"hyperparameters.batch_size ({spec.hyperparameters.batch_size}) must be a multiple of "
+                f"resources.processes ({processes}) so every process gets the same number of rows.",
+                param="hyperparameters.batch_size",
+            )
+
+
+def check_spec(spec: JobSpec, settings: Settings) -> None:
+    if spec.model == TINY_MODEL and not settings.allow_tiny_model:
+        raise ApiError(
+            422,
+            "unknown_model",
+            "The 'tiny' test model is not enabled on this server (TPUTUNE_ALLOW_TINY_MODEL); "
+            "use a gemma3-* model.",
+            param="model",
+        )
+    check_local_paths(spec, settings)
+    check_resources(spec, settings)

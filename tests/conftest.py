@@ -1,0 +1,153 @@
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+
+from api.main import create_app
+from api.migrate import upgrade
+from api.settings import Settings
+
+pytest_plugins = ["tests.support.fixtures"]
+
+FAKE_WORKER = Path(__file__).parent / "fake_worker.py"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A migrated database of each kind: the API tests run on both."""
+    url = f"sqlite:///{tmp_path / 'tputune.db'}" if request.param == "sqlite" else request.getfixturevalue("postgres_db_url")
+    upgrade(url)
+    return url
+
+
+@pytest.fixture
+def data_root(tmp_path: Path) -> Path:
+    root = tmp_path / "data"
+    root.mkdir()
+    return root
+
+
+@pytest.fixture
+def make_settings(tmp_path: Path, database_url: str, data_root: Path) -> Callable[..., Settings]:
+    def make(**overrides: Any) -> Settings:
+        values: dict[str, Any] = {
+            "data_dir": tmp_path / "state",
+            "database_url": database_url,
+            "allowed_data_roots": [data_root],
+            "allow_tiny_model": True,
+            "worker_command": f"{shlex.quote(sys.executable)} {shlex.quote(str(FAKE_WORKER))}",
+            "dispatch_interval_seconds": 0.1,
+            "cancel_grace_seconds": 2.0,
+        }
+        values.update(overrides)
+        return Settings(**values)
+
+    return make
+
+
+@pytest.fixture
+def client(make_settings: Callable[..., Settings]) -> Iterator[TestClient]:
+    """The API in-process, without the dispatcher (jobs stay queued)."""
+    with TestClient(create_app(make_settings(dispatcher_enabled=False))) as test_client:
+        yield test_client
+
+
+@pytest.fixture
+def dataset(data_root: Path) -> Path:
+    path = data_root / "train.txt"
+    path.write_text("Once upon a time.\n<|endoftext|>\nThe end.\n")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class LiveApi:
+    """The real app under uvicorn on a free port, in a thread; `restart()` is a new API process's view."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.server: uvicorn.Server | None = None
+        self.thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return self.settings.resolved_public_url
+
+    def start(self) -> None:
+        app = create_app(self.settings)
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.settings.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("API did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        assert self.server is not None and self.thread is not None
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=10)
+
+    def wait_for(self, job_id: str, predicate: Callable[[dict], bool], timeout: float = 30) -> dict:
+        deadline = time.monotonic() + timeout
+        with self.client() as http:
+            while True:
+                job = http.get(f"/jobs/{job_id}").json()
+                if predicate(job):
+                    return job
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"timed out; job is {job['status']}: {job.get('status_message')}")
+                time.sleep(0.05)
+
+
+@pytest.fixture
+def live_api(make_settings: Callable[..., Settings]) -> Iterator[Callable[..., LiveApi]]:
+    started: list[LiveApi] = []
+
+    def start(**overrides: Any) -> LiveApi:
+        api = LiveApi(make_settings(port=free_port(), **overrides))
+        api.start()
+        started.append(api)
+        return api
+
+    yield start
+    for api in started:
+        if api.server is not None and not api.server.should_exit:
+            api.stop()
+        kill_runs(api.settings.jobs_dir)
+
+
+def kill_runs(jobs_dir: Path) -> None:
+    """Leave no worker behind: kill every run's process group under `jobs_dir`."""
+    for runner_file in jobs_dir.glob("*/runner.json"):
+        pid = json.loads(runner_file.read_text())["pid"]
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)

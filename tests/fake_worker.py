@@ -1,0 +1,83 @@
+"""A test double for the worker, at the process boundary: it speaks the real progress contract
+(worker/protocol.py) to the real API and behaves as the job's `metadata["fake"]` says:
+
+succeed (default), fail, bad_input, silent_crash, hang (ignores SIGTERM), slow (runs until SIGTERM,
+then exits with the preempted code), preempt_once (exits preempted the first time, succeeds the next).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from worker.config import EXIT_BAD_INPUT, EXIT_PREEMPTED, WorkerConfig  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    config = WorkerConfig.model_validate_json(Path(parser.parse_args().config).read_text())
+    mode = config.spec.metadata.get("fake", "succeed")
+    steps = int(config.spec.metadata.get("steps", "5"))
+    url, token = os.environ.get("TPUTUNE_API_URL"), os.environ.get("TPUTUNE_JOB_TOKEN")
+    client = httpx.Client(timeout=10)
+    stop = False
+
+    def on_term(_signum: int, _frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if mode == "hang" else on_term)
+    print(f"fake worker {config.job_id} pid {os.getpid()} mode {mode}", flush=True)
+
+    def send(*reports: dict) -> None:
+        if url:
+            response = client.post(
+                f"{url}/jobs/{config.job_id}/progress",
+                json={"reports": list(reports)},
+                headers={"Authorization": f"Bearer {token}"},
+            )
+            response.raise_for_status()
+
+    out = Path(config.output_uri)
+    out.mkdir(parents=True, exist_ok=True)
+    send({"kind": "status", "step": 0, "phase": "training", "message": "Training."})
+    if mode == "fail":
+        send({"kind": "error", "step": 0, "code": "loss_not_finite", "message": "The loss became NaN at step 0."})
+        return 1
+    if mode == "bad_input":
+        send({"kind": "error", "step": 0, "code": "dataset_empty", "message": "No documents in the dataset."})
+        return EXIT_BAD_INPUT
+    if mode == "silent_crash":
+        print("about to crash", flush=True)
+        os._exit(3)
+    if mode == "preempt_once" and not (out / "preempted").exists():
+        (out / "preempted").write_text("1")
+        return EXIT_PREEMPTED
+    step = 0
+    while mode in ("hang", "slow") or step < steps:
+        step += 1
+        send({"kind": "metrics", "step": step, "total_steps": steps, "loss": 3.0 / step, "learning_rate": 1e-4})
+        if stop:
+            (out / "checkpoint.json").write_text(json.dumps({"step": step}))
+            return EXIT_PREEMPTED
+        time.sleep(0.1 if mode in ("hang", "slow") else 0.01)
+    (out / "final.json").write_text(json.dumps({"step": step}))
+    send(
+        {"kind": "checkpoint", "step": step, "uri": str(out / "final.json")},
+        {"kind": "result", "step": step, "output_uri": str(out), "loss": 3.0 / step},
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

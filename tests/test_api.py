@@ -1,0 +1,185 @@
+"""The job API's behaviour, on SQLite and on PostgreSQL (the `database_url` fixture runs both)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+
+def job_body(dataset: Path, **overrides: object) -> dict:
+    body: dict = {"name": "stories", "model": "gemma3-270m-pt", "dataset_uri": str(dataset)}
+    body.update(overrides)
+    return body
+
+
+def test_create_and_get(client: TestClient, dataset: Path) -> None:
+    response = client.post(
+        "/jobs",
+        json=job_body(dataset, method={"type": "lora"}, hyperparameters={"batch_size": 4, "max_steps": 10}),
+    )
+    assert response.status_code == 201, response.text
+    job = response.json()
+    assert job["id"].startswith("ft-")
+    assert job["status"] == "queued"
+    assert job["method"] == "lora"
+    assert job["spec"]["method"]["lora_rank"] == 8
+    assert job["spec"]["hyperparameters"]["max_steps"] == 10
+    assert job["progress"] == {"step": 0, "total_steps": None, "epoch": None, "fraction": None, "eta_seconds": None}
+    assert job["created_at"].endswith(("Z", "+00:00"))
+    fetched = client.get(f"/jobs/{job['id']}").json()
+    assert fetched == job
+
+
+def test_unknown_job_is_404(client: TestClient) -> None:
+    for method, path in [("get", "/jobs/ft-nope"), ("post", "/jobs/ft-nope/cancel"), ("get", "/jobs/ft-nope/events")]:
+        response = client.request(method, path)
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "job_not_found"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "status", "code", "param"),
+    [
+        ({"model": "gemma3-2b-pt"}, 422, "unknown_model", "model"),
+        ({"dataset_uri": "http://example.com/x.txt"}, 422, "unsupported_uri_scheme", "dataset_uri"),
+        ({"dataset_uri": "s3://bucket/x.txt"}, 422, "unsupported_uri_scheme", "dataset_uri"),
+        ({"dataset_uri": "/etc/passwd.txt"}, 422, "path_not_allowed", "dataset_uri"),
+        ({"dataset_uri": "{root}/../x.txt"}, 422, "path_traversal", "dataset_uri"),
+        ({"dataset_uri": "relative/x.txt"}, 422, "invalid_uri", "dataset_uri"),
+        ({"dataset_uri": "{root}/x.csv"}, 422, "unsupported_dataset_format", "dataset_uri"),
+        ({"dataset_uri": "gs://bucket-only"}, 422, "invalid_uri", "dataset_uri"),
+        ({"method": {"type": "full", "lora_rank": 4}}, 422, "invalid_request", "method"),
+        ({"hyperparameters": {"learning_rate": -1}}, 422, "invalid_request", "hyperparameters.learning_rate"),
+        ({"hyperparameters": {"batch_size": 3}, "resources": {"processes": 2}}, 422, "batch_size_not_divisible", None),
+        ({"resources": {"accelerator": "v6e", "topology": "2x4"}}, 422, "resources_not_supported", "resources"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, 422, "invalid_request", "metadata"),
+        ({"surprise": 1}, 422, "invalid_request", "surprise"),
+    ],
+)
+def test_bad_input_gets_a_clear_4xx(
+    client: TestClient, dataset: Path, overrides: dict, status: int, code: str, param: str | None
+) -> None:
+    body = job_body(dataset)
+    for key, value in overrides.items():
+        body[key] = value.replace("{root}", str(dataset.parent)) if isinstance(value, str) else value
+    response = client.post("/jobs", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code
+    assert error["message"] and error["message"][0].isalpha()
+    if param is not None:
+        assert error["param"] == param
+    assert client.get("/jobs").json()["data"] == []
+
+
+def test_missing_fields_are_all_named(client: TestClient) -> None:
+    response = client.post("/jobs", json={})
+    assert response.status_code == 422
+    error = response.json()["error"]
+    assert error["code"] == "invalid_request"
+    assert {d["param"] for d in error["details"]} == {"name", "model", "dataset_uri"}
+
+
+def test_not_json_is_422(client: TestClient) -> None:
+    response = client.post("/jobs", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 422
+    assert response.json()["error"]["code"] == "invalid_request"
+
+
+def test_tiny_model_needs_the_setting(make_settings, dataset: Path) -> None:  # type: ignore[no-untyped-def]
+    from api.main import create_app
+
+    with TestClient(create_app(make_settings(dispatcher_enabled=False, allow_tiny_model=False))) as c:
+        response = c.post("/jobs", json=job_body(dataset, model="tiny"))
+    assert response.status_code == 422
+    assert response.json()["error"]["code"] == "unknown_model"
+
+
+def test_oversize_body_is_413(client: TestClient, dataset: Path) -> None:
+    body = job_body(dataset, name="x" * 100)
+    body["metadata"] = {"blob": "y" * 400}
+    huge = b'{"name": "' + b"x" * 2_000_000 + b'"}'
+    response = client.post("/jobs", content=huge, headers={"content-type": "application/json"})
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "body_too_large"
+
+    def chunks():  # no Content-Length: the limit must hold on the streamed body too
+        yield b'{"name": "'
+        for _ in range(40):
+            yield b"x" * 65536
+        yield b'"}'
+
+    response = client.post("/jobs", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413
+
+
+def test_idempotency_key(client: TestClient, dataset: Path) -> None:
+    body = job_body(dataset)
+    first = client.post("/jobs", json=body, headers={"Idempotency-Key": "k1"})
+    again = client.post("/jobs", json=body, headers={"Idempotency-Key": "k1"})
+    assert first.status_code == 201
+    assert again.status_code == 200
+    assert again.json()["id"] == first.json()["id"]
+    other = client.post("/jobs", json={**body, "name": "other"}, headers={"Idempotency-Key": "k1"})
+    assert other.status_code == 409
+    assert other.json()["error"]["code"] == "idempotency_key_reused"
+    fresh = client.post("/jobs", json=body, headers={"Idempotency-Key": "k2"})
+    assert fresh.status_code == 201 and fresh.json()["id"] != first.json()["id"]
+    assert len(client.get("/jobs").json()["data"]) == 2
+
+
+def test_list_pagination_and_filters(client: TestClient, dataset: Path) -> None:
+    ids = []
+    for i in range(7):
+        metadata = {"team": "a" if i % 2 else "b", "i": str(i)}
+        ids.append(client.post("/jobs", json=job_body(dataset, name=f"j{i}", metadata=metadata)).json()["id"])
+    client.post(f"/jobs/{ids[0]}/cancel")
+    seen, after = [], None
+    while True:
+        page = client.get("/jobs", params={"limit": 3, **({"after": after} if after else {})}).json()
+        seen += [job["id"] for job in page["data"]]
+        if not page["has_more"]:
+            assert page["next_after"] is None
+            break
+        after = page["next_after"]
+    assert seen == list(reversed(ids))
+    team_a = client.get("/jobs", params={"metadata[team]": "a"}).json()["data"]
+    assert [job["id"] for job in team_a] == [ids[5], ids[3], ids[1]]
+    both = client.get("/jobs", params={"metadata[team]": "a", "metadata[i]": "3"}).json()["data"]
+    assert [job["id"] for job in both] == [ids[3]]
+    cancelled = client.get("/jobs", params={"status": "cancelled"}).json()["data"]
+    assert [job["id"] for job in cancelled] == [ids[0]]
+    queued = client.get("/jobs", params=[("status", "queued"), ("status", "cancelled")]).json()["data"]
+    assert len(queued) == 7
+    assert client.get("/jobs", params={"status": "bogus"}).status_code == 422
+    assert client.get("/jobs", params={"after": "ft-unknown"}).json()["error"]["code"] == "invalid_cursor"
+    assert client.get("/jobs", params={"limit": 1000}).status_code == 422
+
+
+def test_cancel_queued_and_finished(client: TestClient, dataset: Path) -> None:
+    job = client.post("/jobs", json=job_body(dataset)).json()
+    cancelled = client.post(f"/jobs/{job['id']}/cancel")
+    assert cancelled.status_code == 200
+    assert cancelled.json()["status"] == "cancelled"
+    assert cancelled.json()["finished_at"] is not None
+    again = client.post(f"/jobs/{job['id']}/cancel")
+    assert again.status_code == 409
+    assert again.json()["error"]["code"] == "job_finished"
+    events = client.get(f"/jobs/{job['id']}/events").json()["data"]
+    assert [e["data"]["status"] for e in events if e["type"] == "status"] == ["queued", "cancelled"]
+
+
+def test_health(client: TestClient) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").json() == {"status": "ok"}
+
+
+def test_openapi_has_examples(client: TestClient) -> None:
+    spec = client.get("/openapi.json").json()
+    create = spec["paths"]["/jobs"]["post"]
+    assert create["requestBody"]["content"]["application/json"]["examples"]
+    progress = spec["paths"]["/jobs/{job_id}/progress"]["post"]
+    assert progress["requestBody"]["content"]["application/json"]["examples"]
+    assert client.get("/docs").status_code == 200

@@ -1,0 +1,233 @@
+"""The job spec: one schema shared by the API (what users POST and what is stored) and the worker
+(what `python -m worker --config job.json` reads). Pure pydantic: importing it never imports JAX.
+
+Checks that need the service's settings (allowed local roots, whether the tiny model is enabled, the
+TPU catalogue) live in the API; what is checked here holds for every deployment.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+GEMMA3_SIZES = ("270m", "1b", "4b", "12b", "27b")
+MODELS: tuple[str, ...] = tuple(f"gemma3-{size}-{kind}" for size in GEMMA3_SIZES for kind in ("pt", "it"))
+TINY_MODEL = "tiny"
+
+DEFAULT_SAMPLE_PROMPT = "Once upon a time, there was a girl named Amy."
+
+# Exit codes the worker uses; the executors map them to job states (and JobSet failure rules).
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 65  # bad data or config: fail at once, never retry
+EXIT_PREEMPTED = 75  # SIGTERM: a checkpoint was saved, restart and resume
+
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Method(_Strict):
+    """Full fine-tune or LoRA."""
+
+    type: Literal["full", "lora"] = "full"
+    lora_rank: Annotated[int, Field(ge=1, le=1024)] | None = Field(
+        default=None, description="LoRA rank; default 8 for `lora`, must be unset for `full`."
+    )
+    export_merged: bool = Field(
+        default=False, description="LoRA only: also export the base weights with the adapter merged in."
+    )
+
+    @model_validator(mode="after")
+    def _rank_matches_type(self) -> Method:
+        if self.type == "full":
+            if self.lora_rank is not None:
+                raise ValueError("lora_rank is only valid with method type 'lora'")
+            if self.export_merged:
+                raise ValueError("export_merged is only valid with method type 'lora'")
+        elif self.lora_rank is None:
+            self.lora_rank = 8
+        return self
+
+
+class Hyperparameters(_Strict):
+    epochs: Annotated[int, Field(ge=1, le=1000)] = 1
+    max_steps: Annotated[int, Field(ge=1, le=10_000_000)] | None = Field(
+        default=None, description="Stop after this many optimizer steps (overrides `epochs` when smaller)."
+    )
+    batch_size: Annotated[int, Field(ge=1, le=65_536)] = Field(
+        default=8, description="Global batch size in packed rows of `max_seq_len` tokens."
+    )
+    gradient_accumulation_steps: Annotated[int, Field(ge=1, le=1024)] = 1
+    learning_rate: Annotated[float, Field(gt=0, le=1)] = 1e-4
+    warmup_steps: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    weight_decay: Annotated[float, Field(ge=0, le=1)] = 0.0
+    max_grad_norm: Annotated[float, Field(gt=0)] | None = 1.0
+    max_seq_len: Annotated[int, Field(ge=8, le=131_072)] = 512
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+    eval_every_steps: Annotated[int, Field(ge=1)] | None = None
+    checkpoint_every_steps: Annotated[int, Field(ge=1)] | None = None
+    keep_checkpoints: Annotated[int, Field(ge=1, le=100)] = 3
+
+    @field_validator("learning_rate", "weight_decay")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError("must be a finite number")
+        return value
+
+
+class Resources(_Strict):
+    """Where the job runs: a TPU shape on Kubernetes, or a number of local processes."""
+
+    accelerator: Literal["v5e", "v5p", "v6e"] | None = Field(
+        default=None, description="TPU generation (Kubernetes executor)."
+    )
+    topology: str | None = Field(
+        default=None, description="TPU slice topology, e.g. `2x4` or `2x2x2` (Kubernetes executor)."
+    )
+    slices: Annotated[int, Field(ge=1, le=64)] = 1
+    processes: Annotated[int, Field(ge=1, le=64)] | None = Field(
+        default=None, description="Local executor: number of JAX processes (default 1)."
+    )
+
+    @model_validator(mode="after")
+    def _topology_needs_accelerator(self) -> Resources:
+        if self.topology is not None and self.accelerator is None:
+            raise ValueError("topology needs an accelerator")
+        return self
+
+
+DATASET_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
+def check_uri(value: str) -> str:
+    """Accept `gs://bucket/path` or an absolute local path without `..`.
+
+    Errors carry a stable code (the pydantic error type), which the API returns as the error code.
+    """
+    if value.startswith("gs://"):
+        bucket, _, path = value[len("gs://") :].partition("/")
+        if not bucket or not path.strip("/"):
+            raise PydanticCustomError(
+                "invalid_uri",
+                "a gs:// URI needs a bucket and an object path, like gs://bucket/data/train.jsonl",
+            )
+        return value
+    if "://" in value or value.startswith("file:"):
+        scheme = value.split(":", 1)[0]
+        raise PydanticCustomError(
+            "unsupported_uri_scheme",
+            "the '{scheme}' scheme is not supported; use gs://bucket/path or an absolute local path",
+            {"scheme": scheme},
+        )
+    if not value.startswith("/"):
+        raise PydanticCustomError("invalid_uri", "a local path must be absolute, like /data/train.jsonl")
+    if ".." in value.split("/"):
+        raise PydanticCustomError("path_traversal", "a local path must not contain '..'")
+    return posixpath.normpath(value)
+
+
+def check_dataset_uri(value: str) -> str:
+    value = check_uri(value)
+    if not value.lower().endswith(DATASET_SUFFIXES):
+        raise PydanticCustomError(
+            "unsupported_dataset_format",
+            "a dataset must be a .txt (documents separated by <|endoftext|>), .jsonl or .parquet file",
+        )
+    return value
+
+
+Uri = Annotated[str, Field(min_length=1, max_length=2048)]
+
+
+class JobSpec(_Strict):
+    """A fine-tuning job as submitted to `POST /jobs`."""
+
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    model: str = Field(description="`gemma3-{270m,1b,4b,12b,27b}-{pt,it}` (or `tiny` where enabled).")
+    base_checkpoint_uri: Uri | None = Field(
+        default=None,
+        description="Orbax checkpoint dir or `.gguf` file with the base weights; default: official.",
+    )
+    tokenizer_uri: Uri | None = Field(
+        default=None, description="SentencePiece model; default the official Gemma 3 tokenizer."
+    )
+    method: Method = Field(default_factory=Method)
+    dataset_uri: Uri = Field(
+        description="`gs://bucket/path` or an absolute local path (.txt, .jsonl, .parquet)."
+    )
+    validation_uri: Uri | None = None
+    validation_split: Annotated[float, Field(gt=0, lt=1)] | None = Field(
+        default=None,
+        description="Fraction of the dataset held out for eval loss (instead of validation_uri).",
+    )
+    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+    resources: Resources = Field(default_factory=Resources)
+    output_uri: Uri | None = Field(
+        default=None, description="Where checkpoints and the final weights go; default a per-job location."
+    )
+    sample_prompts: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=2000)]], Field(max_length=8)
+    ] = Field(default_factory=lambda: [DEFAULT_SAMPLE_PROMPT])
+    metadata: dict[str, str] = Field(default_factory=dict, description="Up to 16 string pairs of your own.")
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        if value not in MODELS and value != TINY_MODEL:
+            raise PydanticCustomError(
+                "unknown_model",
+                "unknown model '{model}'; use one of {models}",
+                {"model": value, "models": ", ".join(MODELS)},
+            )
+        return value
+
+    @field_validator("dataset_uri", "validation_uri")
+    @classmethod
+    def _dataset(cls, value: str | None) -> str | None:
+        return None if value is None else check_dataset_uri(value)
+
+    @field_validator("output_uri", "base_checkpoint_uri", "tokenizer_uri")
+    @classmethod
+    def _uri(cls, value: str | None) -> str | None:
+        return None if value is None else check_uri(value)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: dict[str, str]) -> dict[str, str]:
+        if len(value) > MAX_METADATA_PAIRS:
+            raise ValueError(f"at most {MAX_METADATA_PAIRS} metadata pairs")
+        for key, item in value.items():
+            if not key or len(key) > MAX_METADATA_KEY:
+                raise ValueError(f"metadata keys must be 1-{MAX_METADATA_KEY} characters")
+            if len(item) > MAX_METADATA_VALUE:
+                raise ValueError(f"metadata values must be at most {MAX_METADATA_VALUE} characters")
+        return value
+
+    @model_validator(mode="after")
+    def _one_validation_source(self) -> JobSpec:
+        if self.validation_uri is not None and self.validation_split is not None:
+            raise ValueError("give validation_uri or validation_split, not both")
+        return self
+
+
+class WorkerConfig(_Strict):
+    """What the executor hands the worker: the spec plus where this run writes and reports."""
+
+    job_id: str
+    spec: JobSpec
+    output_uri: str = Field(description="Resolved output location (local dir or gs://).")
+
+
+# The worker reads where to report from its environment, never from the config file:
+ENV_API_URL = "TPUTUNE_API_URL"  # base URL of the API; unset runs standalone (reports go to the log)
+ENV_JOB_TOKEN = "TPUTUNE_JOB_TOKEN"  # per-job bearer token for POST /jobs/{id}/progress
+ENV_JOB_ID = "TPUTUNE_JOB_ID"

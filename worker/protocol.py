@@ -1,0 +1,133 @@
+"""The progress contract between the worker and the API: `POST /jobs/{id}/progress`.
+
+The worker (process 0 only) sends `Authorization: Bearer <TPUTUNE_JOB_TOKEN>` and a JSON body
+`{"reports": [Report, ...]}` with 1-1000 reports. Each report has a `kind`, the training `step` it
+belongs to and the fields of its kind. The API stores each report once per (job, kind, step, key):
+a retried batch is harmless, so the worker retries a batch until it gets a 2xx, or a 4xx that says
+the batch can never succeed. The response is `{"accepted": n, "duplicates": m, "job_status": s}`;
+`job_status` lets the worker notice a cancel (`cancelling`) without a second call.
+
+Kinds:
+- `status`:     a phase change or message (`message`, optional `phase` in loading|compiling|training|
+                evaluating|saving|exporting). The first report of any kind moves the job to `running`.
+- `metrics`:    one training step's figures; the job's latest metrics and progress follow the
+                highest step received.
+- `eval`:       an eval loss at a step.
+- `checkpoint`: a checkpoint saved (`uri`), with the metrics at that step.
+- `sample`:     generated text for a prompt (`phase` before|after training).
+- `result`:     the final figures and the output URI; the worker then exits 0.
+- `error`:      why the run failed (`code`, `message`); the worker then exits non-zero.
+- `warning`:    something the user should know that does not stop the run.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_REPORTS_PER_BATCH = 1000
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class _Report(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    step: Annotated[int, Field(ge=0)] = 0
+    key: Annotated[str, Field(max_length=64)] = Field(
+        default="", description="Tells apart reports of one kind at one step (e.g. one per prompt)."
+    )
+    time: float | None = Field(default=None, description="Unix time the worker made the report.")
+
+
+class StatusReport(_Report):
+    kind: Literal["status"] = "status"
+    phase: Literal["loading", "compiling", "training", "evaluating", "saving", "exporting"] | None = None
+    message: Annotated[str, Field(max_length=2000)]
+
+
+class MetricsReport(_Report):
+    kind: Literal["metrics"] = "metrics"
+    total_steps: Annotated[int, Field(ge=1)] | None = None
+    epoch: Annotated[float, Field(ge=0)] | None = None
+    loss: float | None = Field(default=None, description="Mean loss over the step's real target tokens.")
+    learning_rate: Finite | None = None
+    grad_norm: float | None = None
+    tokens_per_second: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    trained_tokens: Annotated[int, Field(ge=0)] | None = Field(
+        default=None, description="Non-pad target tokens trained on so far (all processes)."
+    )
+    eta_seconds: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+
+    @field_validator("loss", "grad_norm")
+    @classmethod
+    def _nan_to_none(cls, value: float | None) -> float | None:
+        # A NaN loss is reported as an error report; the metric itself is stored as missing.
+        return None if value is None or not math.isfinite(value) else value
+
+
+class EvalReport(_Report):
+    kind: Literal["eval"] = "eval"
+    eval_loss: Finite
+    eval_tokens: Annotated[int, Field(ge=0)] | None = None
+
+
+class CheckpointReport(_Report):
+    kind: Literal["checkpoint"] = "checkpoint"
+    uri: Annotated[str, Field(min_length=1, max_length=2048)]
+    loss: Finite | None = None
+    eval_loss: Finite | None = None
+
+
+class SampleReport(_Report):
+    kind: Literal["sample"] = "sample"
+    phase: Literal["before", "after"]
+    prompt: Annotated[str, Field(max_length=4000)]
+    text: Annotated[str, Field(max_length=20000)]
+
+
+class ResultReport(_Report):
+    kind: Literal["result"] = "result"
+    output_uri: Annotated[str, Field(max_length=2048)] | None = None
+    loss: Finite | None = None
+    eval_loss: Finite | None = None
+    trained_tokens: Annotated[int, Field(ge=0)] | None = None
+    train_seconds: Annotated[float, Field(ge=0)] | None = None
+
+
+class ErrorReport(_Report):
+    kind: Literal["error"] = "error"
+    code: Annotated[str, Field(min_length=1, max_length=64)]
+    message: Annotated[str, Field(max_length=4000)]
+
+
+class WarningReport(_Report):
+    kind: Literal["warning"] = "warning"
+    message: Annotated[str, Field(max_length=2000)]
+
+
+Report = Annotated[
+    StatusReport
+    | MetricsReport
+    | EvalReport
+    | CheckpointReport
+    | SampleReport
+    | ResultReport
+    | ErrorReport
+    | WarningReport,
+    Field(discriminator="kind"),
+]
+
+
+class ProgressBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reports: Annotated[list[Report], Field(min_length=1, max_length=MAX_REPORTS_PER_BATCH)]
+
+
+class ProgressAck(BaseModel):
+    accepted: int
+    duplicates: int
+    job_status: str
