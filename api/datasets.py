@@ -36,7 +36,7 @@ def gcs_client(endpoint: str | None, project: str | None) -> Any:
 
         return storage.Client(
             project=project or "tputune",
-            credentials=AnonymousCredentials(),  # type: ignore[no-untyped-call]
+            credentials=AnonymousCredentials(),
             client_options={"api_endpoint": endpoint},
         )
     return storage.Client(project=project)
@@ -60,11 +60,16 @@ def check_dataset(uri: str, settings: Settings, what: str = "dataset") -> None:
 
 def _check_gcs(uri: str, settings: Settings, what: str) -> None:
     from google.api_core import exceptions as gexc
+    from google.cloud.storage.retry import DEFAULT_RETRY
 
     bucket_name, name = split_gs_uri(uri)
     try:
         client = gcs_client(settings.gcs_endpoint, settings.gcs_project)
-        blob = client.bucket(bucket_name).get_blob(name)
+        # Bounded: the default retry waits up to 2 minutes, and the dispatcher loop would wait with it.
+        retry = DEFAULT_RETRY.with_timeout(settings.storage_timeout_seconds)
+        blob = client.bucket(bucket_name).get_blob(
+            name, timeout=settings.storage_timeout_seconds, retry=retry
+        )
     except gexc.NotFound:
         raise DatasetUnavailable(
             f"{what}_not_found", f"The bucket of {uri} does not exist or is not visible to the service."

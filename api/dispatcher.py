@@ -168,7 +168,10 @@ class Dispatcher:
 
     def _restart(self, session: Session, job: Job) -> None:
         if job.restarts >= self.settings.local_max_restarts:
-            message = f"The workers were preempted {job.restarts + 1} times; giving up (TPUTUNE_LOCAL_MAX_RESTARTS)."
+            message = (
+                f"The workers were preempted {job.restarts + 1} times; "
+                "giving up (TPUTUNE_LOCAL_MAX_RESTARTS)."
+            )
             service.transition(
                 session, job, JobStatus.failed, message, error_code="too_many_restarts", error_message=message
             )

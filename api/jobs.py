@@ -15,7 +15,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Select, exists, func, update
+from sqlalchemy import exists, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
@@ -124,7 +124,7 @@ def _job_for_key(session: Session, tenant: str, key: str, request_hash: str) -> 
         raise ApiError(
             409,
             "idempotency_key_reused",
-            "This Idempotency-Key was already used with a different request body; use a new key for a new job.",
+            "This Idempotency-Key was already used with another request body; use a new key for a new job.",
         )
     return session.exec(select(Job).where(Job.id == record.job_id)).one()
 
@@ -145,12 +145,16 @@ def list_jobs(
     after: str | None = None,
     limit: int = 20,
 ) -> tuple[list[Job], bool]:
-    query: Select = select(Job).where(Job.tenant == tenant)
+    query = select(Job).where(Job.tenant == tenant)
     if status:
         query = query.where(col(Job.status).in_(list(status)))
     for key, value in (metadata or {}).items():
         query = query.where(
-            exists().where(JobMetadata.job_seq == Job.seq, JobMetadata.key == key, JobMetadata.value == value)
+            exists().where(
+                col(JobMetadata.job_seq) == col(Job.seq),
+                col(JobMetadata.key) == key,
+                col(JobMetadata.value) == value,
+            )
         )
     if after is not None:
         cursor = session.exec(select(Job.seq).where(Job.id == after, Job.tenant == tenant)).first()
@@ -388,6 +392,3 @@ def _aggregate(job: Job, reports: list[Any]) -> dict[str, Any]:
                 values["status_message"] = report.message
     return values
 
-
-def count_jobs(session: Session, tenant: str) -> int:
-    return session.exec(select(func.count()).select_from(Job).where(Job.tenant == tenant)).one()

@@ -52,7 +52,7 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def run(job_dir: Path, processes: int, command: list[str]) -> int:
+def run(job_dir: Path, processes: int, command: list[str], peer_grace: float = PEER_GRACE_SECONDS) -> int:
     write_json_atomic(
         job_dir / RUNNER_FILE, {"pid": os.getpid(), "start_time": process_start_time(os.getpid())}
     )
@@ -92,11 +92,7 @@ def run(job_dir: Path, processes: int, command: list[str]) -> int:
         if all(code is not None for code in codes):
             break
         # One process failed: its peers would block in collectives forever, so stop them.
-        if (
-            first_failure_at is not None
-            and not stopping
-            and time.monotonic() - first_failure_at > PEER_GRACE_SECONDS
-        ):
+        if first_failure_at is not None and not stopping and time.monotonic() - first_failure_at > peer_grace:
             for child in children:
                 if child.poll() is None:
                     child.terminate()
@@ -111,12 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m api.runner")
     parser.add_argument("--job-dir", required=True, type=Path)
     parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--peer-grace", type=float, default=PEER_GRACE_SECONDS)
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the worker command after --")
-    return run(args.job_dir, args.processes, command)
+    return run(args.job_dir, args.processes, command, args.peer_grace)
 
 
 if __name__ == "__main__":

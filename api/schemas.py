@@ -5,12 +5,12 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from api.models import Job, JobEvent, as_utc
 from worker.config import JobSpec
 
-EXAMPLE_JOB = {
+EXAMPLE_JOB: dict[str, Any] = {
     "name": "stories-lora",
     "model": "gemma3-270m-pt",
     "method": {"type": "lora", "lora_rank": 8},
@@ -33,7 +33,7 @@ EXAMPLE_JOB = {
 class JobCreate(JobSpec):
     """A fine-tuning job as submitted (the same schema the worker reads)."""
 
-    model_config = {"json_schema_extra": {"examples": [EXAMPLE_JOB]}}
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [EXAMPLE_JOB]})
 
 
 class ErrorBody(BaseModel):

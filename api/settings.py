@@ -31,7 +31,7 @@ class Settings(BaseSettings):
     )
     allowed_data_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=list,
-        description="Local directories jobs may read from and write to (comma-separated); data_dir always is.",
+        description="Local dirs jobs may read from and write to (comma-separated); data_dir always is.",
     )
     allow_tiny_model: bool = Field(default=False, description="Accept the `tiny` test model.")
     worker_command: str = Field(
@@ -46,6 +46,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     gcs_endpoint: str | None = Field(default=None, description="Cloud Storage endpoint (emulator) override.")
     gcs_project: str | None = None
+    storage_timeout_seconds: float = Field(default=10.0, gt=0, description="Bound on one dataset check.")
     log_level: str = "info"
 
     @field_validator("allowed_data_roots", mode="before")

@@ -54,7 +54,8 @@ def check_resources(spec: JobSpec, settings: Settings) -> None:
             raise ApiError(
                 422,
                 "too_many_processes",
-                f"resources.processes is {processes}; this server allows at most {settings.max_local_processes}.",
+                f"resources.processes is {processes}; this server allows at most "
+                f"{settings.max_local_processes}.",
                 param="resources.processes",
             )
         if spec.hyperparameters.batch_size % processes:

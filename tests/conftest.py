@@ -30,7 +30,11 @@ FAKE_WORKER = Path(__file__).parent / "fake_worker.py"
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A migrated database of each kind: the API tests run on both."""
-    url = f"sqlite:///{tmp_path / 'tputune.db'}" if request.param == "sqlite" else request.getfixturevalue("postgres_db_url")
+    url = (
+        f"sqlite:///{tmp_path / 'tputune.db'}"
+        if request.param == "sqlite"
+        else request.getfixturevalue("postgres_db_url")
+    )
     upgrade(url)
     return url
 

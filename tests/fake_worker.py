@@ -19,7 +19,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from worker.config import EXIT_BAD_INPUT, EXIT_PREEMPTED, WorkerConfig  # noqa: E402
+from worker.config import EXIT_BAD_INPUT, EXIT_PREEMPTED, WorkerConfig
 
 
 def main() -> int:
@@ -28,6 +28,7 @@ def main() -> int:
     config = WorkerConfig.model_validate_json(Path(parser.parse_args().config).read_text())
     mode = config.spec.metadata.get("fake", "succeed")
     steps = int(config.spec.metadata.get("steps", "5"))
+    interval = float(config.spec.metadata.get("interval", "0.01"))
     url, token = os.environ.get("TPUTUNE_API_URL"), os.environ.get("TPUTUNE_JOB_TOKEN")
     client = httpx.Client(timeout=10)
     stop = False
@@ -39,20 +40,37 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN if mode == "hang" else on_term)
     print(f"fake worker {config.job_id} pid {os.getpid()} mode {mode}", flush=True)
 
+    pending: list[dict] = []
+
     def send(*reports: dict) -> None:
-        if url:
+        # Like the real worker: keep reports while the API is away, deliver them when it is back.
+        pending.extend(reports)
+        if not url:
+            return
+        try:
             response = client.post(
                 f"{url}/jobs/{config.job_id}/progress",
-                json={"reports": list(reports)},
+                json={"reports": pending},
                 headers={"Authorization": f"Bearer {token}"},
             )
             response.raise_for_status()
+            pending.clear()
+        except httpx.HTTPError as exc:
+            print(f"report failed: {exc}", flush=True)
 
     out = Path(config.output_uri)
     out.mkdir(parents=True, exist_ok=True)
     send({"kind": "status", "step": 0, "phase": "training", "message": "Training."})
+    print(f"step interval {interval}", flush=True)
     if mode == "fail":
-        send({"kind": "error", "step": 0, "code": "loss_not_finite", "message": "The loss became NaN at step 0."})
+        send(
+            {
+                "kind": "error",
+                "step": 0,
+                "code": "loss_not_finite",
+                "message": "The loss became NaN at step 0.",
+            }
+        )
         return 1
     if mode == "bad_input":
         send({"kind": "error", "step": 0, "code": "dataset_empty", "message": "No documents in the dataset."})
@@ -66,16 +84,22 @@ def main() -> int:
     step = 0
     while mode in ("hang", "slow") or step < steps:
         step += 1
-        send({"kind": "metrics", "step": step, "total_steps": steps, "loss": 3.0 / step, "learning_rate": 1e-4})
+        send(
+            {"kind": "metrics", "step": step, "total_steps": steps, "loss": 3.0 / step, "learning_rate": 1e-4}
+        )
         if stop:
             (out / "checkpoint.json").write_text(json.dumps({"step": step}))
             return EXIT_PREEMPTED
-        time.sleep(0.1 if mode in ("hang", "slow") else 0.01)
+        time.sleep(0.1 if mode in ("hang", "slow") else interval)
     (out / "final.json").write_text(json.dumps({"step": step}))
     send(
         {"kind": "checkpoint", "step": step, "uri": str(out / "final.json")},
         {"kind": "result", "step": step, "output_uri": str(out), "loss": 3.0 / step},
     )
+    deadline = time.monotonic() + 30
+    while pending and time.monotonic() < deadline:
+        time.sleep(0.2)
+        send()
     return 0
 
 

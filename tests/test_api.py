@@ -26,14 +26,24 @@ def test_create_and_get(client: TestClient, dataset: Path) -> None:
     assert job["method"] == "lora"
     assert job["spec"]["method"]["lora_rank"] == 8
     assert job["spec"]["hyperparameters"]["max_steps"] == 10
-    assert job["progress"] == {"step": 0, "total_steps": None, "epoch": None, "fraction": None, "eta_seconds": None}
+    assert job["progress"] == {
+        "step": 0,
+        "total_steps": None,
+        "epoch": None,
+        "fraction": None,
+        "eta_seconds": None,
+    }
     assert job["created_at"].endswith(("Z", "+00:00"))
     fetched = client.get(f"/jobs/{job['id']}").json()
     assert fetched == job
 
 
 def test_unknown_job_is_404(client: TestClient) -> None:
-    for method, path in [("get", "/jobs/ft-nope"), ("post", "/jobs/ft-nope/cancel"), ("get", "/jobs/ft-nope/events")]:
+    for method, path in [
+        ("get", "/jobs/ft-nope"),
+        ("post", "/jobs/ft-nope/cancel"),
+        ("get", "/jobs/ft-nope/events"),
+    ]:
         response = client.request(method, path)
         assert response.status_code == 404
         assert response.json()["error"]["code"] == "job_not_found"
@@ -52,8 +62,18 @@ def test_unknown_job_is_404(client: TestClient) -> None:
         ({"dataset_uri": "gs://bucket-only"}, 422, "invalid_uri", "dataset_uri"),
         ({"method": {"type": "full", "lora_rank": 4}}, 422, "invalid_request", "method"),
         ({"hyperparameters": {"learning_rate": -1}}, 422, "invalid_request", "hyperparameters.learning_rate"),
-        ({"hyperparameters": {"batch_size": 3}, "resources": {"processes": 2}}, 422, "batch_size_not_divisible", None),
-        ({"resources": {"accelerator": "v6e", "topology": "2x4"}}, 422, "resources_not_supported", "resources"),
+        (
+            {"hyperparameters": {"batch_size": 3}, "resources": {"processes": 2}},
+            422,
+            "batch_size_not_divisible",
+            None,
+        ),
+        (
+            {"resources": {"accelerator": "v6e", "topology": "2x4"}},
+            422,
+            "resources_not_supported",
+            "resources",
+        ),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, 422, "invalid_request", "metadata"),
         ({"surprise": 1}, 422, "invalid_request", "surprise"),
     ],

@@ -1,0 +1,206 @@
+"""The dispatcher and the local executor with a test-double worker that speaks the progress contract."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from api.runner import process_start_time
+
+FINAL = ("succeeded", "failed", "cancelled")
+
+
+def submit(api, dataset: Path, fake: str = "succeed", **extra: str) -> str:  # type: ignore[no-untyped-def]
+    body = {
+        "name": f"fake-{fake}",
+        "model": "tiny",
+        "dataset_uri": str(dataset),
+        "metadata": {"fake": fake, **extra},
+    }
+    with api.client() as http:
+        response = http.post("/jobs", json=body)
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+def events(api, job_id: str) -> list[dict]:  # type: ignore[no-untyped-def]
+    with api.client() as http:
+        return http.get(f"/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
+
+
+def test_success(live_api, dataset: Path) -> None:  # type: ignore[no-untyped-def]
+    api = live_api()
+    job_id = submit(api, dataset, steps="6")
+    job = api.wait_for(job_id, lambda j: j["status"] in FINAL)
+    assert job["status"] == "succeeded", job
+    assert job["progress"]["step"] == 6 and job["progress"]["total_steps"] == 6
+    assert job["progress"]["fraction"] == 1.0
+    assert job["metrics"]["loss"] == pytest.approx(0.5)
+    assert job["started_at"] and job["finished_at"]
+    assert job["checkpoint_uri"].endswith("final.json")
+    assert Path(job["output_uri"], "final.json").exists()
+    history = events(api, job_id)
+    assert [e["step"] for e in history if e["type"] == "metrics"] == [1, 2, 3, 4, 5, 6]
+    statuses = [
+        e["data"]["status"] for e in history if e["type"] == "status" and "status" in (e["data"] or {})
+    ]
+    assert statuses == ["queued", "starting", "running", "succeeded"]
+    with api.client() as http:
+        logs = http.get(f"/jobs/{job_id}/logs").json()
+    assert any("fake worker" in line for line in logs["lines"])
+
+
+def test_worker_error_report_and_exit_code(live_api, dataset: Path) -> None:  # type: ignore[no-untyped-def]
+    api = live_api()
+    failed = submit(api, dataset, "fail")
+    bad = submit(api, dataset, "bad_input")
+    crash = submit(api, dataset, "silent_crash")
+    job = api.wait_for(failed, lambda j: j["status"] in FINAL)
+    assert job["status"] == "failed"
+    assert job["error"] == {"code": "loss_not_finite", "message": "The loss became NaN at step 0."}
+    job = api.wait_for(bad, lambda j: j["status"] in FINAL)
+    assert job["status"] == "failed" and job["error"]["code"] == "dataset_empty"
+    job = api.wait_for(crash, lambda j: j["status"] in FINAL)
+    assert job["status"] == "failed"
+    assert job["error"]["code"] == "worker_failed"
+    assert "status 3" in job["error"]["message"] and "about to crash" in job["error"]["message"]
+
+
+def test_missing_dataset_fails_before_launch(live_api, data_root: Path) -> None:  # type: ignore[no-untyped-def]
+    api = live_api()
+    job_id = submit(api, data_root / "nope.jsonl")
+    job = api.wait_for(job_id, lambda j: j["status"] in FINAL)
+    assert job["status"] == "failed"
+    assert job["error"]["code"] == "dataset_not_found"
+    assert "nope.jsonl" in job["error"]["message"]
+    assert not any(e["type"] == "launch" for e in events(api, job_id))
+
+
+def _runner_pid(api, job_id: str) -> int:  # type: ignore[no-untyped-def]
+    import json
+
+    path = api.settings.jobs_dir / job_id / "runner.json"
+    deadline = time.monotonic() + 10
+    while not path.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return int(json.loads(path.read_text())["pid"])
+
+
+def _gone(pid: int) -> bool:
+    return process_start_time(pid) is None
+
+
+def test_cancel_running_job_stops_its_processes(live_api, dataset: Path) -> None:  # type: ignore[no-untyped-def]
+    api = live_api()
+    job_id = submit(api, dataset, "slow")
+    api.wait_for(job_id, lambda j: j["status"] == "running" and j["progress"]["step"] >= 2)
+    pid = _runner_pid(api, job_id)
+    with api.client() as http:
+        response = http.post(f"/jobs/{job_id}/cancel")
+    assert response.status_code == 200
+    assert response.json()["status"] in ("cancelling", "cancelled")
+    job = api.wait_for(job_id, lambda j: j["status"] in FINAL)
+    assert job["status"] == "cancelled"
+    assert _gone(pid)
+    # The worker got SIGTERM (not SIGKILL): it saved its state on the way out.
+    assert (Path(job["output_uri"]) / "checkpoint.json").exists()
+
+
+def test_cancel_hanging_worker_kills_after_grace(live_api, dataset: Path) -> None:  # type: ignore[no-untyped-def]
+    api = live_api(cancel_grace_seconds=1.0)
+    job_id = submit(api, dataset, "hang")
+    api.wait_for(job_id, lambda j: j["status"] == "running")
+    pid = _runner_pid(api, job_id)
+    started = time.monotonic()
+    with api.client() as http:
+        http.post(f"/jobs/{job_id}/cancel")
+    job = api.wait_for(job_id, lambda j: j["status"] in FINAL, timeout=20)
+    assert job["status"] == "cancelled"
+    assert time.monotonic() - started >= 1.0
+    assert _gone(pid)
+
+
+def test_api_restart_adopts_live_worker(live_api, dataset: Path) -> None:  # type: ignore[no-untyped-def]
+    api = live_api()
+    job_id = submit(api, dataset, "succeed", steps="40", interval="0.05")
+    api.wait_for(job_id, lambda j: j["status"] == "running")
+    pid = _runner_pid(api, job_id)
+    api.stop()
+    time.sleep(0.5)
+    assert not _gone(pid)  # the worker outlives the API
+    api.start()
+    job = api.wait_for(job_id, lambda j: j["status"] in FINAL)
+    assert job["status"] == "succeeded", job
+    assert job["progress"]["step"] == 40
+    assert len([e for e in events(api, job_id) if e["type"] == "launch"]) == 1
+
+
+def test_api_restart_fails_job_whose_worker_died(live_api, dataset: Path) -> None:  # type: ignore[no-untyped-def]
+    api = live_api()
+    job_id = submit(api, dataset, "slow")
+    api.wait_for(job_id, lambda j: j["status"] == "running")
+    pid = _runner_pid(api, job_id)
+    api.stop()
+    os.killpg(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    api.start()
+    job = api.wait_for(job_id, lambda j: j["status"] in FINAL)
+    assert job["status"] == "failed"
+    assert job["error"]["code"] == "worker_lost"
+
+
+def test_crash_between_launch_and_record_adopts(live_api, dataset: Path) -> None:  # type: ignore[no-untyped-def]
+    """A run that started but was never recorded (the API died in between) is adopted, not doubled."""
+    from sqlmodel import Session, select
+
+    from api.executors.local import LocalExecutor
+    from api.jobs import create_job, new_job_token, transition
+    from api.models import Job
+    from api.states import JobStatus
+    from worker.config import JobSpec
+
+    api = live_api(dispatcher_enabled=False)
+    settings = api.settings
+    engine = api.server.config.app.state.engine  # type: ignore[union-attr]
+    spec = JobSpec(
+        name="x", model="tiny", dataset_uri=str(dataset), metadata={"fake": "succeed", "steps": "30"}
+    )
+    with Session(engine, expire_on_commit=False) as session:
+        job, _ = create_job(session, spec, settings, "default")
+        transition(session, job, JobStatus.starting)
+        token, job.token_hash = new_job_token()
+        session.add(job)
+        session.commit()
+        LocalExecutor(settings).launch(job, token)  # ...and the API "crashes" before recording it
+    api.stop()
+    api.settings = settings.model_copy(update={"dispatcher_enabled": True})
+    api.start()
+    job_view = api.wait_for(job.id, lambda j: j["status"] in FINAL)
+    assert job_view["status"] == "succeeded", job_view
+    launches = [e for e in events(api, job.id) if e["type"] == "launch"]
+    assert len(launches) == 1 and "adopted" in launches[0]["message"]
+    with Session(engine) as session:
+        assert session.exec(select(Job).where(Job.id == job.id)).one().restarts == 0
+
+
+def test_preempted_worker_restarts_and_resumes(live_api, dataset: Path) -> None:  # type: ignore[no-untyped-def]
+    api = live_api()
+    job_id = submit(api, dataset, "preempt_once")
+    job = api.wait_for(job_id, lambda j: j["status"] in FINAL)
+    assert job["status"] == "succeeded", job
+    assert job["restarts"] == 1
+    assert [e["type"] for e in events(api, job_id)].count("restart") == 1
+
+
+def test_preemption_budget(live_api, dataset: Path) -> None:  # type: ignore[no-untyped-def]
+    api = live_api(local_max_restarts=0)
+    job_id = submit(api, dataset, "preempt_once")
+    job = api.wait_for(job_id, lambda j: j["status"] in FINAL)
+    assert job["status"] == "failed" and job["error"]["code"] == "too_many_restarts"

@@ -1,0 +1,142 @@
+"""The worker's side of the API: POST /jobs/{id}/progress (the contract in worker/protocol.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi.testclient import TestClient
+from sqlmodel import Session, select
+
+from api.jobs import new_job_token, transition
+from api.models import Job
+from api.states import JobStatus
+
+
+def started_job(client: TestClient, dataset: Path) -> tuple[str, str]:
+    """A job as the dispatcher leaves it after launch: starting, with a token."""
+    job_id = client.post("/jobs", json={"name": "p", "model": "tiny", "dataset_uri": str(dataset)}).json()[
+        "id"
+    ]
+    with Session(client.app.state.engine, expire_on_commit=False) as session:  # type: ignore[attr-defined]
+        job = session.exec(select(Job).where(Job.id == job_id)).one()
+        transition(session, job, JobStatus.starting)
+        token, job.token_hash = new_job_token()
+        session.add(job)
+        session.commit()
+    return job_id, token
+
+
+def post(client: TestClient, job_id: str, token: str | None, reports: list[dict]):  # type: ignore[no-untyped-def]
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return client.post(f"/jobs/{job_id}/progress", json={"reports": reports}, headers=headers)
+
+
+def metrics(step: int, loss: float) -> dict:
+    return {
+        "kind": "metrics",
+        "step": step,
+        "total_steps": 10,
+        "loss": loss,
+        "tokens_per_second": 100.0,
+        "trained_tokens": step * 64,
+        "eta_seconds": 10.0 - step,
+        "learning_rate": 1e-4,
+        "epoch": step / 10,
+    }
+
+
+def test_reports_update_the_job(client: TestClient, dataset: Path) -> None:
+    job_id, token = started_job(client, dataset)
+    response = post(
+        client, job_id, token, [{"kind": "status", "message": "Compiling.", "phase": "compiling"}]
+    )
+    assert response.status_code == 200, response.text
+    assert response.json() == {"accepted": 1, "duplicates": 0, "job_status": "running"}
+    post(
+        client,
+        job_id,
+        token,
+        [metrics(1, 3.0), metrics(2, 2.5), {"kind": "eval", "step": 2, "eval_loss": 2.7}],
+    )
+    job = client.get(f"/jobs/{job_id}").json()
+    assert job["status"] == "running" and job["started_at"]
+    assert job["progress"] == {
+        "step": 2,
+        "total_steps": 10,
+        "epoch": 0.2,
+        "fraction": 0.2,
+        "eta_seconds": 8.0,
+    }
+    assert job["metrics"] == {
+        "loss": 2.5,
+        "eval_loss": 2.7,
+        "learning_rate": 1e-4,
+        "tokens_per_second": 100.0,
+    }
+    assert job["trained_tokens"] == 128
+    # An older step arriving late (a retried batch) is stored but does not move the job back.
+    post(client, job_id, token, [metrics(1, 9.9)])
+    post(client, job_id, token, [metrics(0, 9.9)])
+    assert client.get(f"/jobs/{job_id}").json()["progress"]["step"] == 2
+    post(client, job_id, token, [{"kind": "checkpoint", "step": 2, "uri": "/x/ckpt/2", "loss": 2.5}])
+    assert client.get(f"/jobs/{job_id}").json()["checkpoint_uri"] == "/x/ckpt/2"
+    types = [e["type"] for e in client.get(f"/jobs/{job_id}/events").json()["data"]]
+    assert types.count("metrics") == 3 and "checkpoint" in types and "eval" in types
+
+
+def test_reports_are_idempotent(client: TestClient, dataset: Path) -> None:
+    job_id, token = started_job(client, dataset)
+    batch = [
+        metrics(1, 3.0),
+        metrics(2, 2.0),
+        {"kind": "sample", "step": 0, "key": "0", "phase": "before", "prompt": "Once", "text": "upon"},
+    ]
+    assert post(client, job_id, token, batch).json()["accepted"] == 3
+    again = post(client, job_id, token, batch).json()
+    assert again["accepted"] == 0 and again["duplicates"] == 3
+    doubled = post(client, job_id, token, [metrics(3, 1.0), metrics(3, 1.0)]).json()
+    assert doubled["accepted"] == 1 and doubled["duplicates"] == 1
+    other_key = {"kind": "sample", "step": 0, "key": "1", "phase": "before", "prompt": "Two", "text": "x"}
+    assert post(client, job_id, token, [other_key]).json()["accepted"] == 1
+    events = client.get(f"/jobs/{job_id}/events", params={"type": "metrics"}).json()["data"]
+    assert [e["step"] for e in events] == [1, 2, 3]
+    assert len(client.get(f"/jobs/{job_id}/events", params={"type": "sample"}).json()["data"]) == 2
+
+
+def test_token_is_checked(client: TestClient, dataset: Path) -> None:
+    job_id, token = started_job(client, dataset)
+    _, other_token = started_job(client, dataset)
+    for job, tok in [(job_id, None), (job_id, "wrong"), (job_id, other_token), ("ft-unknown", token)]:
+        response = post(client, job, tok, [metrics(1, 1.0)])
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_job_token"
+    assert client.get(f"/jobs/{job_id}").json()["progress"]["step"] == 0
+
+
+def test_bad_reports_are_422(client: TestClient, dataset: Path) -> None:
+    job_id, token = started_job(client, dataset)
+    for reports in (
+        [],
+        [{"kind": "nope", "step": 1}],
+        [{"kind": "metrics", "step": -1}],
+        [{"kind": "eval", "step": 1, "eval_loss": "NaN"}],
+    ):
+        response = post(client, job_id, token, reports)
+        assert response.status_code == 422, reports
+        assert response.json()["error"]["code"] == "invalid_request"
+    # A NaN loss (Python's json writes it) is stored as missing; the job stays readable.
+    nan_loss = client.post(
+        f"/jobs/{job_id}/progress",
+        content=b'{"reports": [{"kind": "metrics", "step": 1, "loss": NaN}]}',
+        headers={"Authorization": f"Bearer {token}", "content-type": "application/json"},
+    )
+    assert nan_loss.status_code == 200, nan_loss.text
+    job = client.get(f"/jobs/{job_id}").json()
+    assert job["progress"]["step"] == 1 and job["metrics"]["loss"] is None
+
+
+def test_cancelling_is_visible_to_the_worker(client: TestClient, dataset: Path) -> None:
+    job_id, token = started_job(client, dataset)
+    post(client, job_id, token, [metrics(1, 1.0)])
+    assert client.post(f"/jobs/{job_id}/cancel").json()["status"] == "cancelling"
+    assert post(client, job_id, token, [metrics(2, 1.0)]).json()["job_status"] == "cancelling"
