@@ -1,19 +1,30 @@
-"""`tputune`: the command line."""
+"""`tputune`: the command line. Every command but `serve`/`migrate` is a client of the REST API."""
 
 from __future__ import annotations
 
 import argparse
-import logging
+import json
 import sys
+import time
+from pathlib import Path
+from typing import Any
 
-from api.settings import Settings
+from api.client import FINAL_STATUSES, ApiError, Client
+
+EXIT_CODES = {"succeeded": 0, "failed": 1, "cancelled": 2}
+
+
+# --- server side ---
 
 
 def serve(args: argparse.Namespace) -> int:
+    import logging
+
     import uvicorn
 
     from api.main import create_app
     from api.migrate import upgrade
+    from api.settings import Settings
 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = Settings(**overrides)
@@ -30,18 +41,247 @@ def serve(args: argparse.Namespace) -> int:
 
 def migrate(args: argparse.Namespace) -> int:
     from api.migrate import downgrade, upgrade
+    from api.settings import Settings
 
     url = Settings().resolved_database_url
-    if args.revision.startswith("-") or args.down:
+    if args.down:
         downgrade(url, args.revision)
     else:
         upgrade(url, args.revision)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tputune", description="Fine-tune Gemma 3 with JAX on TPUs.")
-    commands = parser.add_subparsers(dest="command", required=True)
+def demo(args: argparse.Namespace) -> int:
+    from api.demo import run_demo
+
+    return run_demo(args)
+
+
+# --- client side ---
+
+
+def _client(args: argparse.Namespace) -> Client:
+    return Client(base_url=args.api_url, api_key=args.api_key)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def _num(value: float | None, fmt: str = ".4f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def progress_line(job: dict[str, Any], width: int = 24) -> str:
+    """One line: bar, step, loss, eval loss, tokens/s, eta, status."""
+    progress, metrics = job["progress"], job["metrics"]
+    fraction = progress["fraction"] or 0.0
+    filled = round(fraction * width)
+    bar = "#" * filled + "." * (width - filled)
+    total = progress["total_steps"] or "?"
+    tps = metrics["tokens_per_second"]
+    return (
+        f"[{bar}] {fraction * 100:5.1f}% step {progress['step']}/{total} "
+        f"loss {_num(metrics['loss'])} eval {_num(metrics['eval_loss'])} "
+        f"{_num(tps, ',.0f')} tok/s eta {_duration(progress['eta_seconds'])} {job['status']}"
+    )
+
+
+def _print_job(job: dict[str, Any]) -> None:
+    print(f"{job['id']}  {job['name']}  {job['model']} ({job['method']})  {job['status']}")
+    if job.get("status_message"):
+        print(f"  {job['status_message']}")
+    print(f"  {progress_line(job)}")
+    if job.get("error"):
+        print(f"  error: {job['error']['message']} ({job['error']['code']})")
+    print(f"  output: {job['output_uri']}")
+    if job.get("checkpoint_uri"):
+        print(f"  latest checkpoint: {job['checkpoint_uri']}")
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def build_spec(args: argparse.Namespace) -> dict[str, Any]:
+    spec: dict[str, Any] = {}
+    if args.spec:
+        text = Path(args.spec).read_text()
+        if args.spec.endswith((".yaml", ".yml")):
+            import yaml
+
+            spec = yaml.safe_load(text) or {}
+        else:
+            spec = json.loads(text)
+    for key, value in (("name", args.name), ("model", args.model), ("dataset_uri", args.dataset)):
+        if value is not None:
+            spec[key] = value
+    if args.method:
+        spec.setdefault("method", {})["type"] = args.method
+    if args.lora_rank:
+        spec.setdefault("method", {})["lora_rank"] = args.lora_rank
+    hp = {
+        "epochs": args.epochs,
+        "max_steps": args.max_steps,
+        "batch_size": args.batch_size,
+        "learning_rate": args.learning_rate,
+        "max_seq_len": args.max_seq_len,
+    }
+    for key, value in hp.items():
+        if value is not None:
+            spec.setdefault("hyperparameters", {})[key] = value
+    if args.processes:
+        spec.setdefault("resources", {})["processes"] = args.processes
+    for assignment in args.set or []:
+        path, _, value = assignment.partition("=")
+        node = spec
+        *parents, leaf = path.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = _parse_value(value)
+    return spec
+
+
+def submit(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.create_job(build_spec(args), idempotency_key=args.idempotency_key)
+        print(f"submitted {job['id']} ({job['status']})")
+        if args.follow:
+            return _watch(client, job["id"], args.interval)
+    return 0
+
+
+def list_jobs(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        page = client.list_jobs(status=args.status, limit=args.limit)
+    if args.json:
+        print(json.dumps(page, indent=2))
+        return 0
+    print(f"{'ID':<16} {'STATUS':<10} {'MODEL':<16} {'METHOD':<6} {'PROGRESS':>8} {'LOSS':>8}  NAME")
+    for job in page["data"]:
+        fraction = job["progress"]["fraction"]
+        done = f"{fraction * 100:.0f}%" if fraction is not None else "-"
+        loss = _num(job["metrics"]["loss"])
+        print(
+            f"{job['id']:<16} {job['status']:<10} {job['model']:<16} {job['method']:<6} {done:>8} {loss:>8}  "
+            f"{job['name']}"
+        )
+    if page["has_more"]:
+        print(f"(more: --after {page['next_after']})")
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.get_job(args.job_id)
+    if args.json:
+        print(json.dumps(job, indent=2))
+    else:
+        _print_job(job)
+    return 0
+
+
+def _watch(client: Client, job_id: str, interval: float) -> int:
+    tty = sys.stdout.isatty()
+    last = ""
+    while True:
+        job = client.get_job(job_id)
+        line = progress_line(job)
+        if line != last:
+            print(("\r\x1b[2K" if tty else "") + line, end="" if tty else "\n", flush=True)
+            last = line
+        if job["status"] in FINAL_STATUSES:
+            if tty:
+                print()
+            if job.get("error"):
+                print(f"error: {job['error']['message']} ({job['error']['code']})")
+            print(f"{job_id} {job['status']}")
+            return EXIT_CODES[job["status"]]
+        time.sleep(interval)
+
+
+def watch(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        return _watch(client, args.job_id, args.interval)
+
+
+def _print_event(event: dict[str, Any]) -> None:
+    print(f"{event['created_at'][:19]}  {event['level']:<5} {event['type']:<10} {event['message']}")
+
+
+def events(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if args.follow:
+            for event in client.follow_events(args.job_id, after=args.after):
+                _print_event(event)
+            return 0
+        page = client.events(args.job_id, after=args.after, limit=args.limit)
+    for event in page["data"]:
+        _print_event(event)
+    return 0
+
+
+def logs(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        seen = client.logs(args.job_id, tail=args.tail)["lines"]
+        for line in seen:
+            print(line)
+        while args.follow:
+            # Poll the tail and print what is new after the last line we printed.
+            time.sleep(1.0)
+            lines = client.logs(args.job_id, tail=1000)["lines"]
+            start = _overlap(seen, lines)
+            for line in lines[start:]:
+                print(line, flush=True)
+            seen = lines
+            if client.get_job(args.job_id)["status"] in FINAL_STATUSES and start == len(lines):
+                break
+    return 0
+
+
+def _overlap(before: list[str], after: list[str]) -> int:
+    """Index in `after` where lines not in `before` start (the longest suffix/prefix match)."""
+    for size in range(min(len(before), len(after)), 0, -1):
+        if before[-size:] == after[:size]:
+            return size
+    return 0
+
+
+def cancel(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.cancel_job(args.job_id)
+    print(f"{job['id']} {job['status']}")
+    return 0
+
+
+def checkpoints(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        data = client.checkpoints(args.job_id)["data"]
+    if not data:
+        print("no checkpoints yet")
+    for ckpt in data:
+        metrics = ckpt["metrics"]
+        print(
+            f"step {ckpt['step']:>7}  loss {_num(metrics['loss'])}  eval {_num(metrics['eval_loss'])}  "
+            f"{ckpt['uri']}"
+        )
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="tputune", description="Fine-tune Gemma 3 with JAX on TPUs.")
+    root.add_argument("--api-url", help="API base URL (env TPUTUNE_API_URL, default http://127.0.0.1:8000)")
+    root.add_argument("--api-key", help="API key (env TPUTUNE_API_KEY)")
+    commands = root.add_subparsers(dest="command", required=True)
+
     p = commands.add_parser("serve", help="run the API (migrates the database first)")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
@@ -50,8 +290,84 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("revision", nargs="?", default="head")
     p.add_argument("--down", action="store_true")
     p.set_defaults(func=migrate)
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+
+    p = commands.add_parser("submit", help="create a job from flags and/or a YAML/JSON spec file")
+    p.add_argument("spec", nargs="?", help="spec file (.yaml, .yml or .json)")
+    p.add_argument("--name")
+    p.add_argument("--model")
+    p.add_argument("--dataset", help="dataset URI (gs://… or an absolute path)")
+    p.add_argument("--method", choices=["full", "lora"])
+    p.add_argument("--lora-rank", type=int)
+    p.add_argument("--epochs", type=int)
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--learning-rate", "--lr", type=float)
+    p.add_argument("--max-seq-len", type=int)
+    p.add_argument("--processes", type=int, help="local executor: JAX processes")
+    p.add_argument(
+        "--set", action="append", metavar="PATH=VALUE", help="any spec field, e.g. hyperparameters.seed=3"
+    )
+    p.add_argument("--idempotency-key")
+    p.add_argument("--follow", "-f", action="store_true", help="watch the job until it ends")
+    p.add_argument("--interval", type=float, default=1.0)
+    p.set_defaults(func=submit)
+
+    p = commands.add_parser("list", help="list jobs, newest first")
+    p.add_argument("--status", action="append")
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=list_jobs)
+
+    p = commands.add_parser("status", help="show a job")
+    p.add_argument("job_id")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=status)
+
+    p = commands.add_parser(
+        "watch", help="live progress until the job ends; exit code 0/1/2 = succeeded/failed/cancelled"
+    )
+    p.add_argument("job_id")
+    p.add_argument("--interval", type=float, default=1.0)
+    p.set_defaults(func=watch)
+
+    p = commands.add_parser("events", help="a job's events")
+    p.add_argument("job_id")
+    p.add_argument("--after", type=int)
+    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--follow", "-f", action="store_true")
+    p.set_defaults(func=events)
+
+    p = commands.add_parser("logs", help="the worker's log")
+    p.add_argument("job_id")
+    p.add_argument("--tail", type=int, default=200)
+    p.add_argument("--follow", "-f", action="store_true")
+    p.set_defaults(func=logs)
+
+    p = commands.add_parser("cancel", help="cancel a job")
+    p.add_argument("job_id")
+    p.set_defaults(func=cancel)
+
+    p = commands.add_parser("checkpoints", help="a job's checkpoints")
+    p.add_argument("job_id")
+    p.set_defaults(func=checkpoints)
+
+    p = commands.add_parser("demo", help="fine-tune Gemma 3 270M on generated stories, end to end")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--keep-running", action="store_true", help="leave the API running at the end")
+    p.set_defaults(func=demo)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ApiError as exc:
+        print(f"error: {exc.message} ({exc.code})", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from api.errors import ApiError, not_found
-from api.models import IdempotencyKey, Job, JobEvent, JobMetadata, utcnow
+from api.models import IdempotencyKey, Job, JobEvent, JobMetadata, as_utc, utcnow
 from api.settings import Settings
 from api.states import FINAL, JobStatus, check_transition
 from api.validation import check_spec
@@ -392,3 +392,56 @@ def _aggregate(job: Job, reports: list[Any]) -> dict[str, Any]:
                 values["status_message"] = report.message
     return values
 
+
+# --- history ---------------------------------------------------------------------------------------
+
+METRIC_FIELDS = ("loss", "learning_rate", "grad_norm", "tokens_per_second", "trained_tokens", "epoch")
+
+
+def metrics_history(
+    session: Session,
+    job: Job,
+    *,
+    min_step: int | None = None,
+    max_step: int | None = None,
+    limit: int = 10_000,
+) -> tuple[list[dict[str, Any]], bool]:
+    """One point per step: the step's training metrics joined with its eval loss, oldest first."""
+    query = select(JobEvent).where(JobEvent.job_seq == job.seq, col(JobEvent.type).in_(["metrics", "eval"]))
+    if min_step is not None:
+        query = query.where(col(JobEvent.step) >= min_step)
+    if max_step is not None:
+        query = query.where(col(JobEvent.step) <= max_step)
+    points: dict[int, dict[str, Any]] = {}
+    for event in session.exec(query.order_by(col(JobEvent.step), col(JobEvent.id))):
+        step = event.step or 0
+        if step not in points:
+            if len(points) == limit:
+                return list(points.values()), True
+            points[step] = {"step": step, "eval_loss": None, **dict.fromkeys(METRIC_FIELDS)}
+        data = event.data or {}
+        if event.type == "eval":
+            points[step]["eval_loss"] = data.get("eval_loss")
+        else:
+            points[step].update({k: data.get(k) for k in METRIC_FIELDS})
+    return list(points.values()), False
+
+
+def checkpoints(session: Session, job: Job) -> list[dict[str, Any]]:
+    rows = session.exec(
+        select(JobEvent)
+        .where(JobEvent.job_seq == job.seq, JobEvent.type == "checkpoint")
+        .order_by(col(JobEvent.step))
+    )
+    result = []
+    for event in rows:
+        data = event.data or {}
+        result.append(
+            {
+                "step": event.step or 0,
+                "uri": data.get("uri"),
+                "created_at": as_utc(event.created_at),
+                "metrics": {"loss": data.get("loss"), "eval_loss": data.get("eval_loss")},
+            }
+        )
+    return result

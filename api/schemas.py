@@ -175,3 +175,41 @@ class LogsResponse(BaseModel):
 
 class Health(BaseModel):
     status: str
+
+
+class MetricPoint(BaseModel):
+    step: int
+    loss: float | None
+    eval_loss: float | None
+    learning_rate: float | None
+    grad_norm: float | None
+    tokens_per_second: float | None
+    trained_tokens: int | None
+    epoch: float | None
+
+
+class MetricsPage(BaseModel):
+    object: str = "list"
+    job_id: str
+    data: list[MetricPoint]
+    has_more: bool = Field(
+        description="More points past `limit`: ask again with min_step after the last one."
+    )
+
+
+class CheckpointMetrics(BaseModel):
+    loss: float | None
+    eval_loss: float | None
+
+
+class CheckpointPublic(BaseModel):
+    step: int
+    uri: str | None
+    created_at: datetime
+    metrics: CheckpointMetrics
+
+
+class CheckpointList(BaseModel):
+    object: str = "list"
+    job_id: str
+    data: list[CheckpointPublic]

@@ -1,14 +1,21 @@
 from __future__ import annotations
 
+import asyncio
 import re
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Header, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
+from sqlmodel import Session
 
 from api import jobs as service
 from api.deps import DispatcherDep, ExecutorDep, SessionDep, SettingsDep, TenantDep
 from api.schemas import (
     EXAMPLE_JOB,
+    CheckpointList,
+    CheckpointPublic,
     ErrorResponse,
     EventPage,
     EventPublic,
@@ -16,8 +23,10 @@ from api.schemas import (
     JobPage,
     JobPublic,
     LogsResponse,
+    MetricPoint,
+    MetricsPage,
 )
-from api.states import JobStatus
+from api.states import JobStatus, is_final
 from worker.protocol import ProgressAck, ProgressBatch
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -126,9 +135,15 @@ def cancel_job(job_id: str, session: SessionDep, tenant: TenantDep, dispatcher: 
     return JobPublic.of(job)
 
 
-@router.get("/{job_id}/events", response_model=EventPage, summary="A job's events", responses=_errors)
+@router.get(
+    "/{job_id}/events",
+    response_model=EventPage,
+    summary="A job's events (paged, or followed as Server-Sent Events)",
+    responses={**_errors, 200: {"content": {"text/event-stream": {}}, "description": "Events."}},
+)
 def list_events(
     job_id: str,
+    request: Request,
     session: SessionDep,
     tenant: TenantDep,
     after: Annotated[int | None, Query(ge=0, description="An event id: return the events after it.")] = None,
@@ -136,18 +151,99 @@ def list_events(
     type: Annotated[
         list[str] | None,
         Query(
-            description="Only these types: status, metrics, eval, checkpoint, sample, result, restart, "
-            "launch, warning, error."
+            description="Only these types: status, launch, metrics, eval, checkpoint, sample, result, "
+            "restart, warning, error."
         ),
     ] = None,
-) -> EventPage:
+    follow: Annotated[
+        bool,
+        Query(description="Stream as Server-Sent Events until the job ends; resumes after `Last-Event-ID`."),
+    ] = False,
+    last_event_id: Annotated[str | None, Header(include_in_schema=False)] = None,
+) -> EventPage | StreamingResponse:
     """Oldest first: status changes, metrics points, checkpoints, samples, restarts, warnings, errors."""
     job = service.get_job(session, tenant, job_id)
+    if follow:
+        start = after
+        if last_event_id and last_event_id.isdigit():
+            start = int(last_event_id)
+        return StreamingResponse(
+            _follow_events(request, job.id, tenant, start or 0, type or []),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     rows, has_more = service.list_events(session, job, after=after, limit=limit, types=type or [])
     return EventPage(
         data=[EventPublic.of(e) for e in rows],
         has_more=has_more,
         next_after=rows[-1].id if has_more else None,
+    )
+
+
+SSE_POLL_SECONDS = 0.5
+SSE_KEEPALIVE_SECONDS = 15.0
+
+
+async def _follow_events(
+    request: Request, job_id: str, tenant: str, after: int, types: list[str]
+) -> AsyncIterator[str]:
+    engine = request.app.state.engine
+
+    def poll(cursor: int) -> tuple[list[EventPublic], bool]:
+        with Session(engine) as session:
+            job = service.get_job(session, tenant, job_id)
+            rows, _ = service.list_events(session, job, after=cursor, limit=500, types=types)
+            return [EventPublic.of(e) for e in rows], is_final(job.status)
+
+    quiet = 0.0
+    while not await request.is_disconnected():
+        events, final = await run_in_threadpool(poll, after)
+        for event in events:
+            after = event.id
+            yield f"id: {event.id}\nevent: {event.type}\ndata: {event.model_dump_json()}\n\n"
+        if events:
+            quiet = 0.0
+            continue
+        if final:
+            yield "event: end\ndata: {}\n\n"
+            return
+        quiet += SSE_POLL_SECONDS
+        if quiet >= SSE_KEEPALIVE_SECONDS:
+            quiet = 0.0
+            yield ": keep-alive\n\n"
+        await asyncio.sleep(SSE_POLL_SECONDS)
+
+
+@router.get(
+    "/{job_id}/metrics",
+    response_model=MetricsPage,
+    summary="Loss curve and metrics per step",
+    responses=_errors,
+)
+def job_metrics(
+    job_id: str,
+    session: SessionDep,
+    tenant: TenantDep,
+    min_step: Annotated[int | None, Query(ge=0)] = None,
+    max_step: Annotated[int | None, Query(ge=0)] = None,
+    limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
+) -> MetricsPage:
+    """Training loss, eval loss, learning rate, grad norm and tokens/s at every reported step."""
+    job = service.get_job(session, tenant, job_id)
+    points, has_more = service.metrics_history(
+        session, job, min_step=min_step, max_step=max_step, limit=limit
+    )
+    return MetricsPage(job_id=job.id, data=[MetricPoint(**p) for p in points], has_more=has_more)
+
+
+@router.get(
+    "/{job_id}/checkpoints", response_model=CheckpointList, summary="Saved checkpoints", responses=_errors
+)
+def job_checkpoints(job_id: str, session: SessionDep, tenant: TenantDep) -> CheckpointList:
+    """Every checkpoint the worker reported, with the metrics at its step."""
+    job = service.get_job(session, tenant, job_id)
+    return CheckpointList(
+        job_id=job.id, data=[CheckpointPublic(**c) for c in service.checkpoints(session, job)]
     )
 
 

@@ -1,0 +1,167 @@
+"""A small Python client for the tputune REST API (what the CLI uses; handy in notebooks).
+
+from api.client import Client
+client = Client()                       # TPUTUNE_API_URL / TPUTUNE_API_KEY, or arguments
+job = client.create_job({"name": "demo", "model": "gemma3-270m-pt", "dataset_uri": "gs://b/train.txt"})
+for event in client.follow_events(job["id"]):
+    print(event["type"], event["message"])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+FINAL_STATUSES = ("succeeded", "failed", "cancelled")
+
+
+class ApiError(Exception):
+    """An error answer from the API: its stable code and its sentence."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+
+    def __str__(self) -> str:
+        return f"{self.message} ({self.code})"
+
+
+class Client:
+    def __init__(
+        self, base_url: str | None = None, api_key: str | None = None, timeout: float = 30.0
+    ) -> None:
+        self.base_url = (base_url or os.environ.get("TPUTUNE_API_URL") or DEFAULT_URL).rstrip("/")
+        key = api_key or os.environ.get("TPUTUNE_API_KEY")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise ApiError(
+                0, "api_unreachable", f"Cannot reach the tputune API at {self.base_url}: {exc}"
+            ) from None
+        if response.status_code >= 400:
+            raise _error_of(response)
+        return response.json()
+
+    # --- jobs ---
+
+    def create_job(self, spec: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return self._request("POST", "/jobs", json=spec, headers=headers)
+
+    def get_job(self, job_id: str) -> dict[str, Any]:
+        return self._request("GET", f"/jobs/{job_id}")
+
+    def list_jobs(
+        self,
+        status: list[str] | None = None,
+        limit: int = 20,
+        after: str | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        params: list[tuple[str, str | int]] = [("limit", limit)]
+        params += [("status", s) for s in status or []]
+        params += [(f"metadata[{k}]", v) for k, v in (metadata or {}).items()]
+        if after:
+            params.append(("after", after))
+        return self._request("GET", "/jobs", params=params)
+
+    def cancel_job(self, job_id: str) -> dict[str, Any]:
+        return self._request("POST", f"/jobs/{job_id}/cancel")
+
+    def events(self, job_id: str, after: int | None = None, limit: int = 100) -> dict[str, Any]:
+        params: dict[str, int] = {"limit": limit}
+        if after is not None:
+            params["after"] = after
+        return self._request("GET", f"/jobs/{job_id}/events", params=params)
+
+    def metrics(self, job_id: str) -> dict[str, Any]:
+        return self._request("GET", f"/jobs/{job_id}/metrics")
+
+    def checkpoints(self, job_id: str) -> dict[str, Any]:
+        return self._request("GET", f"/jobs/{job_id}/checkpoints")
+
+    def logs(self, job_id: str, tail: int = 200) -> dict[str, Any]:
+        return self._request("GET", f"/jobs/{job_id}/logs", params={"tail": tail})
+
+    def follow_events(self, job_id: str, after: int | None = None) -> Iterator[dict[str, Any]]:
+        """Events as they happen (Server-Sent Events), until the job ends; reconnects and resumes."""
+        last_id = after
+        while True:
+            headers = {"Last-Event-ID": str(last_id)} if last_id is not None else {}
+            try:
+                with self._http.stream(
+                    "GET", f"/jobs/{job_id}/events", params={"follow": "true"}, headers=headers, timeout=None
+                ) as response:
+                    if response.status_code >= 400:
+                        response.read()
+                        raise _error_of(response)
+                    for event_type, data, event_id in _sse(response.iter_lines()):
+                        if event_type == "end":
+                            return
+                        if event_id is not None:
+                            last_id = event_id
+                        yield json.loads(data)
+            except httpx.TransportError:
+                time.sleep(1.0)  # the API restarted or the connection dropped: resume after last_id
+
+    def wait(self, job_id: str, poll_seconds: float = 1.0, timeout: float | None = None) -> dict[str, Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            job = self.get_job(job_id)
+            if job["status"] in FINAL_STATUSES:
+                return job
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} still {job['status']} after {timeout}s")
+            time.sleep(poll_seconds)
+
+
+def _error_of(response: httpx.Response) -> ApiError:
+    try:
+        error = response.json()["error"]
+        return ApiError(response.status_code, error["code"], error["message"], error.get("param"))
+    except (ValueError, KeyError, TypeError):
+        return ApiError(
+            response.status_code, "http_error", f"HTTP {response.status_code}: {response.text[:200]}"
+        )
+
+
+def _sse(lines: Iterator[str]) -> Iterator[tuple[str, str, int | None]]:
+    event_type, data, event_id = "message", "", None
+    for line in lines:
+        if not line:
+            if data:
+                yield event_type, data, event_id
+            event_type, data, event_id = "message", "", None
+        elif line.startswith(":"):
+            continue
+        else:
+            field, _, value = line.partition(":")
+            value = value.removeprefix(" ")
+            if field == "event":
+                event_type = value
+            elif field == "data":
+                data = value
+            elif field == "id" and value.isdigit():
+                event_id = int(value)

@@ -1,0 +1,137 @@
+"""The `tputune` CLI against a running API (the fake worker at the process boundary)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from api.cli import main, progress_line
+
+
+def run(api, capsys, *argv: str) -> tuple[int, str, str]:  # type: ignore[no-untyped-def]
+    code = main(["--api-url", api.url, *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_submit_follow_status_events_checkpoints(live_api, dataset: Path, capsys, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    api = live_api()
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        f"name: cli\nmodel: tiny\ndataset_uri: {dataset}\nmetadata:\n  fake: succeed\n  steps: '8'\n"
+    )
+    code, out, _ = run(
+        api,
+        capsys,
+        "submit",
+        str(spec),
+        "--max-steps",
+        "8",
+        "--set",
+        "hyperparameters.seed=7",
+        "--follow",
+        "--interval",
+        "0.2",
+    )
+    assert code == 0, out
+    job_id = out.split()[1]
+    assert "100.0% step 8/8" in out and out.strip().endswith(f"{job_id} succeeded")
+    job = api.client().get(f"/jobs/{job_id}").json()
+    assert job["spec"]["hyperparameters"] == {**job["spec"]["hyperparameters"], "seed": 7, "max_steps": 8}
+    code, out, _ = run(api, capsys, "status", job_id)
+    assert code == 0 and "succeeded" in out and "loss 0.3750" in out
+    code, out, _ = run(api, capsys, "status", job_id, "--json")
+    assert json.loads(out)["id"] == job_id
+    code, out, _ = run(api, capsys, "list")
+    assert job_id in out and "100%" in out
+    code, out, _ = run(api, capsys, "events", job_id, "--follow")
+    assert code == 0 and "queued → starting" in out and "succeeded" in out
+    code, out, _ = run(api, capsys, "checkpoints", job_id)
+    assert "step       8" in out and "final.json" in out
+    code, out, _ = run(api, capsys, "logs", job_id)
+    assert "fake worker" in out
+
+
+def test_watch_exit_codes_and_cancel(live_api, dataset: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    api = live_api()
+    code, out, _ = run(
+        api,
+        capsys,
+        "submit",
+        "--name",
+        "f",
+        "--model",
+        "tiny",
+        "--dataset",
+        str(dataset),
+        "--set",
+        "metadata.fake=fail",
+    )
+    failed_id = out.split()[1]
+    code, out, _ = run(api, capsys, "watch", failed_id, "--interval", "0.2")
+    assert code == 1 and "The loss became NaN at step 0. (loss_not_finite)" in out
+
+    code, out, _ = run(
+        api,
+        capsys,
+        "submit",
+        "--name",
+        "s",
+        "--model",
+        "tiny",
+        "--dataset",
+        str(dataset),
+        "--set",
+        "metadata.fake=slow",
+    )
+    slow_id = out.split()[1]
+    api.wait_for(slow_id, lambda j: j["status"] == "running")
+    threading.Timer(0.5, lambda: main(["--api-url", api.url, "cancel", slow_id])).start()
+    started = time.monotonic()
+    code, out, _ = run(api, capsys, "watch", slow_id, "--interval", "0.2")
+    assert code == 2 and out.strip().endswith(f"{slow_id} cancelled")
+    assert time.monotonic() - started < 20
+
+
+def test_api_errors_are_sentences(live_api, dataset: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    api = live_api()
+    code, _out, err = run(
+        api, capsys, "submit", "--name", "x", "--model", "gemma3-9b-pt", "--dataset", str(dataset)
+    )
+    assert code == 3
+    assert err.startswith("error: model: unknown model 'gemma3-9b-pt'") and "(unknown_model)" in err
+    assert "Traceback" not in err
+    code, _, err = run(api, capsys, "status", "ft-missing")
+    assert code == 3 and "No job with id 'ft-missing'" in err
+    code, _, err = main(["--api-url", "http://127.0.0.1:9", "list"]), *capsys.readouterr()
+    assert code == 3 and "Cannot reach the tputune API" in err
+
+
+@pytest.mark.parametrize(
+    ("job", "expected"),
+    [
+        (
+            {
+                "progress": {"fraction": None, "step": 0, "total_steps": None, "eta_seconds": None},
+                "metrics": {"loss": None, "eval_loss": None, "tokens_per_second": None},
+                "status": "queued",
+            },
+            "[........................]   0.0% step 0/? loss - eval - - tok/s eta - queued",
+        ),
+        (
+            {
+                "progress": {"fraction": 0.5, "step": 50, "total_steps": 100, "eta_seconds": 95},
+                "metrics": {"loss": 2.5, "eval_loss": 2.75, "tokens_per_second": 15321.4},
+                "status": "running",
+            },
+            "[############............]  50.0% step 50/100 loss 2.5000 eval 2.7500 "
+            "15,321 tok/s eta 1m35s running",
+        ),
+    ],
+)
+def test_progress_line(job: dict, expected: str) -> None:
+    assert progress_line(job) == expected
