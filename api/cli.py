@@ -28,6 +28,7 @@ def serve(args: argparse.Namespace) -> int:
 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = Settings(**overrides)
+    settings.check_exposure()
     settings.ensure_dirs()
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -276,6 +277,22 @@ def checkpoints(args: argparse.Namespace) -> int:
     return 0
 
 
+def keys(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if args.action == "create":
+            key = client.create_key(args.tenant, args.name)
+            print(f"created {key['id']} for tenant {key['tenant']}; the key is shown only now:")
+            print(key["key"])
+        elif args.action == "list":
+            for key in client.list_keys()["data"]:
+                state = f"revoked {key['revoked_at'][:19]}" if key["revoked_at"] else "active"
+                print(f"{key['id']:<16} {key['prefix']:<16} {key['tenant']:<16} {state:<28} {key['name']}")
+        else:
+            key = client.revoke_key(args.key_id)
+            print(f"{key['id']} revoked")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="tputune", description="Fine-tune Gemma 3 with JAX on TPUs.")
     root.add_argument("--api-url", help="API base URL (env TPUTUNE_API_URL, default http://127.0.0.1:8000)")
@@ -350,6 +367,16 @@ def parser() -> argparse.ArgumentParser:
     p = commands.add_parser("checkpoints", help="a job's checkpoints")
     p.add_argument("job_id")
     p.set_defaults(func=checkpoints)
+
+    p = commands.add_parser("keys", help="manage API keys (needs the admin key)")
+    actions = p.add_subparsers(dest="action", required=True)
+    a = actions.add_parser("create", help="create a key for a tenant (printed once)")
+    a.add_argument("--tenant", required=True)
+    a.add_argument("--name", required=True)
+    actions.add_parser("list", help="list keys")
+    a = actions.add_parser("revoke", help="revoke a key")
+    a.add_argument("key_id")
+    p.set_defaults(func=keys)
 
     p = commands.add_parser("demo", help="fine-tune Gemma 3 270M on generated stories, end to end")
     p.add_argument("--port", type=int, default=8765)

@@ -105,6 +105,17 @@ class Client:
     def logs(self, job_id: str, tail: int = 200) -> dict[str, Any]:
         return self._request("GET", f"/jobs/{job_id}/logs", params={"tail": tail})
 
+    # --- API keys (admin key only) ---
+
+    def create_key(self, tenant: str, name: str) -> dict[str, Any]:
+        return self._request("POST", "/admin/keys", json={"tenant": tenant, "name": name})
+
+    def list_keys(self) -> dict[str, Any]:
+        return self._request("GET", "/admin/keys")
+
+    def revoke_key(self, key_id: str) -> dict[str, Any]:
+        return self._request("DELETE", f"/admin/keys/{key_id}")
+
     def follow_events(self, job_id: str, after: int | None = None) -> Iterator[dict[str, Any]]:
         """Events as they happen (Server-Sent Events), until the job ends; reconnects and resumes."""
         last_id = after

@@ -8,7 +8,9 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlmodel import Session
 
+from api.auth import COOKIE_NAME, Authenticator, Principal
 from api.dispatcher import Dispatcher
+from api.errors import ApiError
 from api.executors import Executor
 from api.settings import Settings
 
@@ -22,9 +24,26 @@ def get_session(request: Request) -> Iterator[Session]:
         yield session
 
 
-def get_tenant() -> str:
-    # One tenant until API keys exist; every query is already scoped by it.
-    return "default"
+def get_principal(request: Request) -> Principal:
+    header = request.headers.get("authorization", "")
+    key = header[7:].strip() if header.lower().startswith("bearer ") else request.cookies.get(COOKIE_NAME)
+    auth: Authenticator = request.app.state.auth
+    principal = auth.authenticate(key)
+    auth.check_rate(principal)
+    return principal
+
+
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+def get_tenant(principal: PrincipalDep) -> str:
+    return principal.tenant
+
+
+def get_admin(principal: PrincipalDep) -> Principal:
+    if not principal.is_admin:
+        raise ApiError(403, "admin_only", "Only the admin key may manage API keys.")
+    return principal
 
 
 def get_executor(request: Request) -> Executor:
@@ -38,5 +57,6 @@ def get_dispatcher(request: Request) -> Dispatcher | None:
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 TenantDep = Annotated[str, Depends(get_tenant)]
+AdminDep = Annotated[Principal, Depends(get_admin)]
 ExecutorDep = Annotated[Executor, Depends(get_executor)]
 DispatcherDep = Annotated[Dispatcher | None, Depends(get_dispatcher)]

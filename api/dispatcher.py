@@ -8,7 +8,7 @@ import threading
 from typing import Any
 
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, col, select
+from sqlmodel import Session, col, func, select
 
 from api import jobs as service
 from api.datasets import DatasetUnavailable, StorageUnreachable, check_dataset
@@ -16,7 +16,7 @@ from api.db import session_scope
 from api.executors import Executor, Observation
 from api.models import Job, utcnow
 from api.settings import Settings
-from api.states import JobStatus
+from api.states import ACTIVE, JobStatus
 from worker.config import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,17 @@ class Dispatcher:
     # --- one move per job ---
 
     def _claim(self, session: Session, job: Job) -> None:
+        cap = self.settings.tenant_max_active_jobs
+        if cap is not None:
+            active = session.exec(
+                select(func.count())
+                .select_from(Job)
+                .where(Job.tenant == job.tenant, col(Job.status).in_(list(ACTIVE)))
+            ).one()
+            if active >= cap:
+                # Over the cap a job waits its turn; it is never rejected.
+                self._note(session, job, f"Waiting: {active} jobs of your team are running (limit {cap}).")
+                return
         if service.transition(session, job, JobStatus.starting, "Checking the dataset."):
             self._launch(session, job)
 

@@ -11,10 +11,11 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import errors
+from api.auth import Authenticator
 from api.db import make_engine
 from api.dispatcher import Dispatcher
 from api.executors import make_executor
-from api.routes import health, jobs
+from api.routes import health, jobs, keys
 from api.settings import Settings
 
 DESCRIPTION = """Fine-tune Gemma 3 with JAX: on a GKE TPU slice as a JobSet, or as local worker processes.
@@ -103,9 +104,11 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
     app.state.engine = engine
     app.state.executor = executor
     app.state.dispatcher = dispatcher
+    app.state.auth = Authenticator(engine, settings)
     errors.install(app)
     app.include_router(health.router)
     app.include_router(jobs.router)
+    app.include_router(keys.router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     logging.getLogger("api").setLevel(settings.log_level.upper())
     return app

@@ -113,3 +113,17 @@ class IdempotencyKey(SQLModel, table=True):
     request_hash: str = Field(max_length=64)
     job_id: str = Field(max_length=32)
     created_at: datetime = Field(default_factory=utcnow, sa_type=DateTime(timezone=True), nullable=False)
+
+
+class ApiKey(SQLModel, table=True):
+    """An API key of a tenant: only its hash is stored; `prefix` is the visible part, for humans."""
+
+    __tablename__ = "api_keys"
+
+    id: str = Field(max_length=32, primary_key=True)
+    tenant: str = Field(max_length=64, index=True)
+    name: str = Field(max_length=128)
+    prefix: str = Field(max_length=32)
+    key_hash: str = Field(max_length=64, unique=True)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=DateTime(timezone=True), nullable=False)
+    revoked_at: datetime | None = _ts()

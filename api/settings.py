@@ -8,7 +8,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -49,12 +49,96 @@ class Settings(BaseSettings):
     storage_timeout_seconds: float = Field(default=10.0, gt=0, description="Bound on one dataset check.")
     log_level: str = "info"
 
-    @field_validator("allowed_data_roots", mode="before")
+    admin_key: SecretStr | None = Field(
+        default=None,
+        description="Bootstrap admin key; when set, every job route needs an API key (Bearer).",
+    )
+    allow_unauthenticated: bool = Field(
+        default=False, description="Serve without keys on a non-loopback address (not recommended)."
+    )
+    rate_limit_per_second: float = Field(default=50.0, ge=0, description="Per API key; 0 turns it off.")
+    rate_limit_burst: int = Field(default=200, ge=1)
+    tenant_max_active_jobs: int | None = Field(
+        default=None, ge=1, description="Jobs of one tenant running at once; more wait queued."
+    )
+
+    # --- the kubernetes executor (TPU JobSets on GKE) ---
+    k8s_namespace: str = Field(default="tputune", description="Namespace of the JobSets, Secrets and Lease.")
+    k8s_api_server: str | None = Field(
+        default=None,
+        description="API server URL used without credentials (kubectl proxy, tests); "
+        "default: in-cluster config, else the kubeconfig.",
+    )
+    k8s_kubeconfig: Path | None = Field(default=None, description="Kubeconfig file; default ~/.kube/config.")
+    k8s_gke_cluster: str | None = Field(
+        default=None,
+        pattern=r"^projects/[^/]+/locations/[^/]+/clusters/[^/]+$",
+        description="projects/<project>/locations/<location>/clusters/<cluster>: the GCS FUSE driver's "
+        "identity provider for host-network TPU pods.",
+    )
+    k8s_worker_image: str | None = Field(default=None, description="The worker image (Dockerfile.worker).")
+    k8s_image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    k8s_worker_service_account: str = Field(
+        default="tputune-worker", description="Kubernetes service account of the workers (Workload Identity)."
+    )
+    k8s_worker_cpu: str = Field(default="8", description="CPU request of each worker pod.")
+    k8s_worker_memory: str = Field(default="32Gi", description="Memory request of each worker pod.")
+    k8s_worker_run_as_user: int | None = Field(
+        default=None, ge=1, description="Run workers as this non-root UID where the TPU nodes allow it."
+    )
+    k8s_termination_grace_seconds: int = Field(
+        default=120, ge=0, description="Time a worker gets to save a checkpoint after SIGTERM."
+    )
+    k8s_max_restarts: int = Field(
+        default=3, ge=0, description="JobSet restarts for worker failures; preemptions do not count."
+    )
+    k8s_ttl_seconds_after_finished: int | None = Field(
+        default=86400, ge=0, description="Finished JobSets are deleted after this long (unset: kept)."
+    )
+    k8s_kueue_queue: str | None = Field(default=None, description="Kueue LocalQueue for the JobSets.")
+    k8s_kueue_priority_class: str | None = Field(default=None, description="Kueue WorkloadPriorityClass.")
+    k8s_gcs_fuse_mount_options: str = Field(
+        default="implicit-dirs", description="mountOptions of the read-only GCS FUSE dataset volumes."
+    )
+    k8s_gcs_fuse_sidecar_limits: dict[Literal["cpu", "memory", "ephemeral-storage"], str] = Field(
+        default_factory=dict,
+        description='GCS FUSE sidecar limits as JSON, e.g. {"memory": "0"} (0: unlimited).',
+    )
+    k8s_output_base_uri: str | None = Field(
+        default=None,
+        pattern=r"^gs://[^/]+",
+        description="gs://bucket/prefix: a job without output_uri writes under <prefix>/<job id>.",
+    )
+    k8s_tpu_machine_types: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Machine types of the cluster's TPU node pools (comma-separated), where a topology "
+        "runs on more than one (v6e 2x4: ct6e-standard-8t or -4t).",
+    )
+    k8s_leader_election: bool = Field(default=True, description="Dispatch only while holding the Lease.")
+    k8s_lease_name: str = "tputune-dispatcher"
+    k8s_lease_seconds: float = Field(default=15.0, gt=0, description="A leader that stops renewing is replaced.")
+    k8s_request_timeout_seconds: float = Field(default=10.0, gt=0)
+    k8s_resync_seconds: float = Field(default=300.0, gt=0, description="Full relist of JobSets and pods.")
+
+    @field_validator("allowed_data_roots", "k8s_tpu_machine_types", mode="before")
     @classmethod
     def _split_roots(cls, value: object) -> object:
         if isinstance(value, str):
             return [part for part in (p.strip() for p in value.split(",")) if part]
         return value
+
+    @property
+    def auth_enabled(self) -> bool:
+        return self.admin_key is not None
+
+    def check_exposure(self) -> None:
+        """Refuse to serve a network address with no authentication unless told to."""
+        loopback = self.host in ("127.0.0.1", "localhost", "::1")
+        if not loopback and not self.auth_enabled and not self.allow_unauthenticated:
+            raise SystemExit(
+                f"tputune: refusing to serve {self.host} without authentication; set TPUTUNE_ADMIN_KEY "
+                "(or TPUTUNE_ALLOW_UNAUTHENTICATED=true to accept the risk)."
+            )
 
     @cached_property
     def resolved_database_url(self) -> str:

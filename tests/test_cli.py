@@ -135,3 +135,20 @@ def test_api_errors_are_sentences(live_api, dataset: Path, capsys) -> None:  # t
 )
 def test_progress_line(job: dict, expected: str) -> None:
     assert progress_line(job) == expected
+
+
+def test_keys_commands(live_api, capsys) -> None:  # type: ignore[no-untyped-def]
+    api = live_api(admin_key="the-admin-key-123")
+    code, out, _ = run(
+        api, capsys, "--api-key", "the-admin-key-123", "keys", "create", "--tenant", "t1", "--name", "ci"
+    )
+    assert code == 0
+    key_id, key = out.split()[1], out.splitlines()[-1]
+    assert key.startswith("tpt_")
+    code, out, _ = run(api, capsys, "--api-key", key, "list")
+    assert code == 0
+    code, out, _ = run(api, capsys, "--api-key", "the-admin-key-123", "keys", "list")
+    assert key_id in out and "active" in out and key not in out
+    run(api, capsys, "--api-key", "the-admin-key-123", "keys", "revoke", key_id)
+    code, _, err = run(api, capsys, "--api-key", key, "list")
+    assert code == 3 and "(invalid_api_key)" in err

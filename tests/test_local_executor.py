@@ -204,3 +204,15 @@ def test_preemption_budget(live_api, dataset: Path) -> None:  # type: ignore[no-
     job_id = submit(api, dataset, "preempt_once")
     job = api.wait_for(job_id, lambda j: j["status"] in FINAL)
     assert job["status"] == "failed" and job["error"]["code"] == "too_many_restarts"
+
+
+def test_tenant_cap_keeps_extra_jobs_queued(live_api, dataset: Path) -> None:  # type: ignore[no-untyped-def]
+    api = live_api(tenant_max_active_jobs=1)
+    first = submit(api, dataset, "slow")
+    second = submit(api, dataset, "succeed")
+    api.wait_for(first, lambda j: j["status"] == "running")
+    waiting = api.wait_for(second, lambda j: "limit 1" in (j["status_message"] or ""))
+    assert waiting["status"] == "queued"
+    with api.client() as http:
+        http.post(f"/jobs/{first}/cancel")
+    assert api.wait_for(second, lambda j: j["status"] in FINAL)["status"] == "succeeded"

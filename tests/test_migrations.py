@@ -6,7 +6,7 @@ from sqlalchemy import create_engine, inspect
 
 from api.migrate import downgrade, upgrade
 
-TABLES = {"jobs", "job_events", "job_metadata", "idempotency_keys"}
+TABLES = {"jobs", "job_events", "job_metadata", "idempotency_keys", "api_keys"}
 
 
 def tables(url: str) -> set[str]:

@@ -1,0 +1,121 @@
+"""API keys (admin only) and the dashboard's browser session (a cookie holding the caller's key)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Request, Response
+from pydantic import BaseModel, Field
+from sqlmodel import col, select
+
+from api.auth import COOKIE_NAME, new_api_key
+from api.deps import AdminDep, SessionDep
+from api.errors import ApiError
+from api.models import ApiKey, as_utc, utcnow
+from api.schemas import ErrorResponse
+
+router = APIRouter(tags=["keys"])
+
+
+class KeyCreate(BaseModel):
+    tenant: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9-_.]*$")]
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+
+    model_config = {"json_schema_extra": {"examples": [{"tenant": "research", "name": "ci pipeline"}]}}
+
+
+class KeyPublic(BaseModel):
+    id: str
+    tenant: str
+    name: str
+    prefix: str = Field(description="The key's visible start, to recognise it.")
+    created_at: datetime
+    revoked_at: datetime | None
+
+    @classmethod
+    def of(cls, row: ApiKey) -> KeyPublic:
+        return cls(
+            id=row.id,
+            tenant=row.tenant,
+            name=row.name,
+            prefix=row.prefix,
+            created_at=as_utc(row.created_at),  # type: ignore[arg-type]
+            revoked_at=as_utc(row.revoked_at),
+        )
+
+
+class KeyCreated(KeyPublic):
+    key: str = Field(description="The secret key. It is shown only now: store it.")
+
+
+class KeyList(BaseModel):
+    object: str = "list"
+    data: list[KeyPublic]
+
+
+_admin_errors: dict[int | str, dict] = {
+    401: {"model": ErrorResponse, "description": "No or wrong key."},
+    403: {"model": ErrorResponse, "description": "Not the admin key."},
+}
+
+
+@router.post(
+    "/admin/keys", status_code=201, response_model=KeyCreated, responses=_admin_errors, summary="Create a key"
+)
+def create_key(body: KeyCreate, session: SessionDep, _admin: AdminDep) -> KeyCreated:
+    key_id, prefix, plaintext, digest = new_api_key()
+    row = ApiKey(id=key_id, tenant=body.tenant, name=body.name, prefix=prefix, key_hash=digest)
+    session.add(row)
+    session.commit()
+    return KeyCreated(**KeyPublic.of(row).model_dump(), key=plaintext)
+
+
+@router.get("/admin/keys", response_model=KeyList, responses=_admin_errors, summary="List keys")
+def list_keys(session: SessionDep, _admin: AdminDep) -> KeyList:
+    rows = session.exec(select(ApiKey).order_by(col(ApiKey.created_at))).all()
+    return KeyList(data=[KeyPublic.of(row) for row in rows])
+
+
+@router.delete(
+    "/admin/keys/{key_id}",
+    response_model=KeyPublic,
+    responses={**_admin_errors, 404: {"model": ErrorResponse, "description": "No such key."}},
+    summary="Revoke a key",
+)
+def revoke_key(key_id: str, request: Request, session: SessionDep, _admin: AdminDep) -> KeyPublic:
+    row = session.get(ApiKey, key_id)
+    if row is None:
+        raise ApiError(
+            404, "key_not_found", f"No API key with id '{key_id}'; list them with GET /admin/keys."
+        )
+    if row.revoked_at is None:
+        row.revoked_at = utcnow()
+        session.add(row)
+        session.commit()
+    request.app.state.auth.forget()
+    return KeyPublic.of(row)
+
+
+class SessionLogin(BaseModel):
+    key: Annotated[str, Field(min_length=1, max_length=256)]
+
+
+@router.post(
+    "/auth/session",
+    status_code=204,
+    responses={401: {"model": ErrorResponse, "description": "Unknown key."}},
+    summary="Sign the browser in (sets a cookie with the key)",
+)
+def login(body: Annotated[SessionLogin, Body()], request: Request, response: Response) -> Response:
+    request.app.state.auth.authenticate(body.key)
+    response.set_cookie(COOKIE_NAME, body.key, httponly=True, samesite="strict", max_age=7 * 24 * 3600)
+    response.status_code = 204
+    return response
+
+
+@router.delete("/auth/session", status_code=204, summary="Sign the browser out")
+def logout(response: Response) -> Response:
+    response.delete_cookie(COOKIE_NAME)
+    response.status_code = 204
+    return response

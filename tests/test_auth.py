@@ -1,0 +1,146 @@
+"""API keys, tenancy and rate limits (auth is on when TPUTUNE_ADMIN_KEY is set)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import text
+
+from api.main import create_app
+from api.settings import Settings
+
+ADMIN = "admin-secret-0123456789"
+
+
+@pytest.fixture
+def auth_client(make_settings: Callable[..., Settings]) -> Iterator[TestClient]:
+    app = create_app(make_settings(dispatcher_enabled=False, admin_key=ADMIN, rate_limit_per_second=0))
+    with TestClient(app) as test_client:
+        yield test_client
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def make_key(client: TestClient, tenant: str) -> str:
+    response = client.post(
+        "/admin/keys", json={"tenant": tenant, "name": f"{tenant} key"}, headers=bearer(ADMIN)
+    )
+    assert response.status_code == 201, response.text
+    body = response.json()
+    assert body["key"].startswith(body["prefix"] + "_") and body["prefix"].startswith("tpt_")
+    return body["key"]
+
+
+def job(dataset: Path) -> dict:
+    return {"name": "t", "model": "tiny", "dataset_uri": str(dataset)}
+
+
+def test_job_routes_need_a_key(auth_client: TestClient, dataset: Path) -> None:
+    for method, path in [
+        ("get", "/jobs"),
+        ("post", "/jobs"),
+        ("get", "/jobs/ft-x"),
+        ("post", "/jobs/ft-x/cancel"),
+        ("get", "/jobs/ft-x/events"),
+        ("get", "/jobs/ft-x/metrics"),
+        ("get", "/jobs/ft-x/logs"),
+    ]:
+        response = auth_client.request(method, path, json=job(dataset) if method == "post" else None)
+        assert response.status_code == 401, path
+        assert response.json()["error"]["code"] == "invalid_api_key"
+        assert response.headers["www-authenticate"] == "Bearer"
+    assert auth_client.get("/jobs", headers=bearer("tpt_wrong_key")).status_code == 401
+    for path in ("/healthz", "/readyz", "/docs", "/openapi.json"):
+        assert auth_client.get(path).status_code == 200, path
+
+
+def test_tenants_are_isolated(auth_client: TestClient, dataset: Path) -> None:
+    alpha, beta = make_key(auth_client, "alpha"), make_key(auth_client, "beta")
+    created = auth_client.post("/jobs", json=job(dataset), headers=bearer(alpha))
+    assert created.status_code == 201
+    job_id = created.json()["id"]
+    assert auth_client.get(f"/jobs/{job_id}", headers=bearer(alpha)).status_code == 200
+    # Another tenant's job does not exist for beta: 404, not 403.
+    for method, path in [
+        ("get", f"/jobs/{job_id}"),
+        ("post", f"/jobs/{job_id}/cancel"),
+        ("get", f"/jobs/{job_id}/events"),
+        ("get", f"/jobs/{job_id}/logs"),
+    ]:
+        response = auth_client.request(method, path, headers=bearer(beta))
+        assert response.status_code == 404 and response.json()["error"]["code"] == "job_not_found"
+    assert auth_client.get("/jobs", headers=bearer(beta)).json()["data"] == []
+    assert [j["id"] for j in auth_client.get("/jobs", headers=bearer(alpha)).json()["data"]] == [job_id]
+    # Idempotency keys are per tenant too.
+    a = auth_client.post("/jobs", json=job(dataset), headers={**bearer(alpha), "Idempotency-Key": "same"})
+    b = auth_client.post("/jobs", json=job(dataset), headers={**bearer(beta), "Idempotency-Key": "same"})
+    assert a.status_code == b.status_code == 201 and a.json()["id"] != b.json()["id"]
+
+
+def test_keys_are_hashed_listed_and_revocable(auth_client: TestClient, dataset: Path) -> None:
+    key = make_key(auth_client, "alpha")
+    listed = auth_client.get("/admin/keys", headers=bearer(ADMIN)).json()["data"]
+    assert len(listed) == 1 and "key" not in listed[0]
+    with auth_client.app.state.engine.connect() as connection:  # type: ignore[attr-defined]
+        stored = " ".join(str(v) for row in connection.execute(text("SELECT * FROM api_keys")) for v in row)
+    assert key not in stored and key.split("_")[-1] not in stored
+    assert auth_client.get("/admin/keys", headers=bearer(key)).json()["error"]["code"] == "admin_only"
+    assert auth_client.get("/jobs", headers=bearer(key)).status_code == 200
+    revoked = auth_client.delete(f"/admin/keys/{listed[0]['id']}", headers=bearer(ADMIN))
+    assert revoked.status_code == 200 and revoked.json()["revoked_at"]
+    assert auth_client.get("/jobs", headers=bearer(key)).status_code == 401
+    assert auth_client.delete("/admin/keys/key_nope", headers=bearer(ADMIN)).status_code == 404
+
+
+def test_worker_token_cannot_read_or_cancel(auth_client: TestClient, dataset: Path) -> None:
+    from tests.test_progress import post, started_job
+
+    key = make_key(auth_client, "default")
+    auth_client.headers.update(bearer(key))
+    job_id, token = started_job(auth_client, dataset)
+    auth_client.headers.pop("Authorization")
+    for method, path in [("get", f"/jobs/{job_id}"), ("post", f"/jobs/{job_id}/cancel"), ("get", "/jobs")]:
+        assert auth_client.request(method, path, headers=bearer(token)).status_code == 401
+    assert post(auth_client, job_id, token, [{"kind": "metrics", "step": 1, "loss": 1.0}]).status_code == 200
+    # ...and an API key is no worker token.
+    assert post(auth_client, job_id, key, [{"kind": "metrics", "step": 2, "loss": 1.0}]).status_code == 401
+
+
+def test_browser_session_cookie(auth_client: TestClient) -> None:
+    key = make_key(auth_client, "alpha")
+    assert auth_client.post("/auth/session", json={"key": "nope"}).status_code == 401
+    response = auth_client.post("/auth/session", json={"key": key})
+    assert response.status_code == 204
+    assert "httponly" in response.headers["set-cookie"].lower()
+    assert "samesite=strict" in response.headers["set-cookie"].lower()
+    assert auth_client.get("/jobs").status_code == 200
+    auth_client.delete("/auth/session")
+    auth_client.cookies.clear()
+    assert auth_client.get("/jobs").status_code == 401
+
+
+def test_rate_limit(make_settings: Callable[..., Settings]) -> None:
+    app = create_app(
+        make_settings(dispatcher_enabled=False, admin_key=ADMIN, rate_limit_per_second=1, rate_limit_burst=5)
+    )
+    with TestClient(app) as client:
+        key = make_key(client, "alpha")
+        codes = [client.get("/jobs", headers=bearer(key)).status_code for _ in range(8)]
+        assert codes[:5] == [200] * 5 and codes[-1] == 429
+        limited = client.get("/jobs", headers=bearer(key))
+        assert limited.json()["error"]["code"] == "rate_limited"
+        assert int(limited.headers["retry-after"]) >= 1
+        other = make_key(client, "beta")
+        assert client.get("/jobs", headers=bearer(other)).status_code == 200
+
+
+def test_refuses_open_network_address_without_auth(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="refusing to serve 0.0.0.0"):
+        Settings(data_dir=tmp_path, host="0.0.0.0").check_exposure()
+    Settings(data_dir=tmp_path, host="0.0.0.0", admin_key="k").check_exposure()
+    Settings(data_dir=tmp_path, host="127.0.0.1").check_exposure()
