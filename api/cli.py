@@ -18,25 +18,24 @@ EXIT_CODES = {"succeeded": 0, "failed": 1, "cancelled": 2}
 
 
 def serve(args: argparse.Namespace) -> int:
-    import logging
-
     import uvicorn
 
     from api.main import create_app
     from api.migrate import upgrade
+    from api.observability import configure_logging
     from api.settings import Settings
 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = Settings(**overrides)
     settings.check_exposure()
     settings.ensure_dirs()
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings.log_level, settings.log_format == "json")
     upgrade(settings.resolved_database_url)
     app = create_app(settings)
     print(f"tputune: serving on http://{settings.host}:{settings.port} (docs at /docs)", flush=True)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower())
+    uvicorn.run(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(), log_config=None
+    )
     return 0
 
 

@@ -15,6 +15,7 @@ from api.datasets import DatasetUnavailable, StorageUnreachable, check_dataset
 from api.db import session_scope
 from api.executors import Executor, Observation
 from api.models import Job, utcnow
+from api.observability import Metrics, job_id_var
 from api.settings import Settings
 from api.states import ACTIVE, JobStatus
 from worker.config import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED
@@ -25,8 +26,11 @@ BATCH = 20
 
 
 class Dispatcher:
-    def __init__(self, engine: Engine, executor: Executor, settings: Settings) -> None:
+    def __init__(
+        self, engine: Engine, executor: Executor, settings: Settings, metrics: Metrics | None = None
+    ) -> None:
         self.engine = engine
+        self.metrics = metrics
         self.executor = executor
         self.settings = settings
         self._stop = threading.Event()
@@ -64,17 +68,22 @@ class Dispatcher:
                 self._guard(session, job, self._claim)
             for job in self._jobs(session, [JobStatus.starting, JobStatus.running, JobStatus.cancelling]):
                 self._guard(session, job, self._follow)
+        if self.metrics is not None:
+            self.metrics.last_pass.set_to_current_time()
 
     def _jobs(self, session: Session, statuses: list[JobStatus]) -> list[Job]:
         query = select(Job).where(col(Job.status).in_(statuses), Job.executor == self.executor.name)
         return list(session.exec(query.order_by(col(Job.seq)).limit(BATCH * 10)).all())
 
     def _guard(self, session: Session, job: Job, step: Any) -> None:
+        token = job_id_var.set(job.id)
         try:
             step(session, job)
         except Exception:
             session.rollback()
             log.exception("job %s: dispatcher step failed; it will be retried", job.id)
+        finally:
+            job_id_var.reset(token)
 
     # --- one move per job ---
 
@@ -132,6 +141,8 @@ class Dispatcher:
             event = "Workers started."
         else:
             event = "Found the job's workers already running; adopted them."
+        if self.metrics is not None and event == "Workers started.":
+            self.metrics.launches.inc()
         job.launch = handle
         job.launched_at = utcnow()
         job.status_message = "Workers started; waiting for the first report."

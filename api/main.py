@@ -15,6 +15,7 @@ from api.auth import Authenticator
 from api.db import make_engine
 from api.dispatcher import Dispatcher
 from api.executors import make_executor
+from api.observability import Metrics, RequestContext
 from api.routes import health, jobs, keys
 from api.settings import Settings
 
@@ -87,7 +88,8 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
     settings.ensure_dirs()
     engine = engine or make_engine(settings.resolved_database_url)
     executor = make_executor(settings)
-    dispatcher = Dispatcher(engine, executor, settings) if settings.dispatcher_enabled else None
+    metrics = Metrics(engine)
+    dispatcher = Dispatcher(engine, executor, settings, metrics) if settings.dispatcher_enabled else None
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -105,10 +107,12 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
     app.state.executor = executor
     app.state.dispatcher = dispatcher
     app.state.auth = Authenticator(engine, settings)
+    app.state.metrics = metrics
     errors.install(app)
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(keys.router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestContext, metrics=metrics)
     logging.getLogger("api").setLevel(settings.log_level.upper())
     return app

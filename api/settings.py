@@ -48,6 +48,8 @@ class Settings(BaseSettings):
     gcs_project: str | None = None
     storage_timeout_seconds: float = Field(default=10.0, gt=0, description="Bound on one dataset check.")
     log_level: str = "info"
+    log_format: Literal["text", "json"] = Field(default="text", description="`json`: one object per line.")
+    metrics_enabled: bool = Field(default=True, description="Serve Prometheus metrics at /metrics.")
 
     admin_key: SecretStr | None = Field(
         default=None,
@@ -116,7 +118,9 @@ class Settings(BaseSettings):
     )
     k8s_leader_election: bool = Field(default=True, description="Dispatch only while holding the Lease.")
     k8s_lease_name: str = "tputune-dispatcher"
-    k8s_lease_seconds: float = Field(default=15.0, gt=0, description="A leader that stops renewing is replaced.")
+    k8s_lease_seconds: float = Field(
+        default=15.0, gt=0, description="A leader that stops renewing is replaced."
+    )
     k8s_request_timeout_seconds: float = Field(default=10.0, gt=0)
     k8s_resync_seconds: float = Field(default=300.0, gt=0, description="Full relist of JobSets and pods.")
 

@@ -1,12 +1,27 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api.db import ping
 from api.schemas import Health
 
 router = APIRouter(tags=["health"])
+
+
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics",
+    response_class=PlainTextResponse,
+    responses={404: {"description": "Metrics are turned off (TPUTUNE_METRICS_ENABLED)."}},
+)
+def metrics(request: Request) -> PlainTextResponse:
+    if not request.app.state.settings.metrics_enabled:
+        return PlainTextResponse("metrics are turned off\n", status_code=404)
+    return PlainTextResponse(
+        generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST
+    )
 
 
 @router.get("/healthz", response_model=Health, summary="The process is up")

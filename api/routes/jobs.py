@@ -269,6 +269,7 @@ def job_logs(
 def post_progress(
     job_id: str,
     batch: Annotated[ProgressBatch, Body(openapi_examples={"reports": {"value": _PROGRESS_EXAMPLE}})],
+    request: Request,
     session: SessionDep,
     authorization: Annotated[str | None, Header(description="`Bearer <TPUTUNE_JOB_TOKEN>`")] = None,
 ) -> ProgressAck:
@@ -278,4 +279,6 @@ def post_progress(
     if authorization and authorization.lower().startswith("bearer "):
         token = authorization[7:].strip()
     job = service.authenticate_worker(session, job_id, token)
-    return service.ingest_progress(session, job, batch)
+    ack = service.ingest_progress(session, job, batch)
+    request.app.state.metrics.reports.inc(ack.accepted)
+    return ack

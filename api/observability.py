@@ -1,0 +1,131 @@
+"""Prometheus metrics, structured JSON logs, and a request id on every request and log line."""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import secrets
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from sqlalchemy import func
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, select
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.models import Job
+from api.states import JobStatus
+
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+job_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("job_id", default=None)
+
+
+class Metrics:
+    """One registry per app (tests build many apps in one process)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "tputune_http_requests", "HTTP requests", ["method", "route", "status"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "tputune_http_request_duration_seconds",
+            "HTTP request latency",
+            ["method", "route"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            registry=self.registry,
+        )
+        self.launches = Counter(
+            "tputune_launches", "Worker launches (incl. restarts)", registry=self.registry
+        )
+        self.reports = Counter("tputune_worker_reports", "Worker reports stored", registry=self.registry)
+        self.last_pass = Gauge(
+            "tputune_dispatcher_last_pass_timestamp_seconds",
+            "When the dispatcher last finished a pass (reconcile lag = now - this)",
+            registry=self.registry,
+        )
+        self.registry.register(_JobsByStatus(engine))
+
+
+class _JobsByStatus(Collector):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("tputune_jobs", "Jobs by status", labels=["status"])
+        counts = dict.fromkeys((s.value for s in JobStatus), 0)
+        with Session(self.engine) as session:
+            for status, count in session.exec(select(Job.status, func.count()).group_by(Job.status)):
+                counts[status] = count
+        for status, count in counts.items():
+            family.add_metric([status], count)
+        yield family
+
+
+class RequestContext:
+    """Request id (X-Request-ID in, or a new one; echoed back), latency and count per route."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        incoming = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        request_id = incoming[:64] if incoming.isprintable() and incoming else secrets.token_hex(8)
+        token = request_id_var.set(request_id)
+        started = time.perf_counter()
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            route = scope.get("route")
+            label = getattr(route, "path", "unmatched")
+            method = scope["method"]
+            self.metrics.requests.labels(method, label, str(status)).inc()
+            self.metrics.latency.labels(method, label).observe(time.perf_counter() - started)
+            request_id_var.reset(token)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, with the request and job ids when there are any."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, var in (("request_id", request_id_var), ("job_id", job_id_var)):
+            value = var.get()
+            if value:
+                entry[key] = value
+        if record.exc_info:
+            entry["error"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def configure_logging(level: str, json_logs: bool) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        JsonFormatter() if json_logs else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())

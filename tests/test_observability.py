@@ -1,0 +1,64 @@
+"""/metrics in Prometheus format, request ids, JSON logs — and no secrets in any of them."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from fastapi.testclient import TestClient
+
+from api.main import create_app
+from api.observability import JsonFormatter, request_id_var
+from api.settings import Settings
+from tests.test_progress import metrics, post, started_job
+
+
+def test_metrics_exposition(client: TestClient, dataset: Path) -> None:
+    job_id, token = started_job(client, dataset)
+    post(client, job_id, token, [metrics(1, 2.0), metrics(2, 1.5)])
+    client.post("/jobs", json={"name": "q", "model": "tiny", "dataset_uri": str(dataset)})
+    client.get(f"/jobs/{job_id}")
+    body = client.get("/metrics").text
+    assert 'tputune_jobs{status="running"} 1.0' in body
+    assert 'tputune_jobs{status="queued"} 1.0' in body
+    assert "tputune_worker_reports_total 2.0" in body
+    # Routes are labelled by template, so ids never multiply the series.
+    assert 'route="/jobs/{job_id}"' in body and job_id not in body
+    assert token not in body
+
+
+def test_metrics_can_be_turned_off(make_settings: Callable[..., Settings]) -> None:
+    with TestClient(create_app(make_settings(dispatcher_enabled=False, metrics_enabled=False))) as client:
+        assert client.get("/metrics").status_code == 404
+
+
+def test_request_id(client: TestClient) -> None:
+    given = client.get("/healthz", headers={"X-Request-ID": "abc-123"})
+    assert given.headers["x-request-id"] == "abc-123"
+    fresh = client.get("/healthz").headers["x-request-id"]
+    assert len(fresh) == 16 and fresh != client.get("/healthz").headers["x-request-id"]
+
+
+def test_json_logs_carry_ids_and_no_secrets(client: TestClient, dataset: Path) -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.addHandler(handler)
+    old_level = root.level
+    root.setLevel(logging.DEBUG)
+    try:
+        job_id, token = started_job(client, dataset)
+        post(client, job_id, token, [metrics(1, 2.0)])
+        reset = request_id_var.set("req-42")
+        logging.getLogger("api.test").info("hello")
+        request_id_var.reset(reset)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert {"message": "hello", "request_id": "req-42", "level": "info"}.items() <= lines[-1].items()
+    assert token not in stream.getvalue()
