@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlmodel import Session
 
 from api.auth import COOKIE_NAME, Authenticator, Principal
@@ -24,9 +25,15 @@ def get_session(request: Request) -> Iterator[Session]:
         yield session
 
 
-def get_principal(request: Request) -> Principal:
-    header = request.headers.get("authorization", "")
-    key = header[7:].strip() if header.lower().startswith("bearer ") else request.cookies.get(COOKIE_NAME)
+_api_key = HTTPBearer(
+    scheme_name="ApiKey", description="A tputune API key (`tputune keys create`).", auto_error=False
+)
+
+
+def get_principal(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_api_key)]
+) -> Principal:
+    key = credentials.credentials if credentials else request.cookies.get(COOKIE_NAME)
     auth: Authenticator = request.app.state.auth
     principal = auth.authenticate(key)
     auth.check_rate(principal)

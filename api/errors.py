@@ -91,6 +91,10 @@ def install(app: FastAPI) -> None:
         message = str(exc.detail) if exc.detail else code
         if exc.status_code == 404:
             message = "No such route. The API reference is at /docs."
+        if exc.status_code == 400:
+            # The framework could not read the body (e.g. not UTF-8): the same answer as invalid JSON.
+            message = "The request body is not valid UTF-8 JSON; send a JSON object."
+            return JSONResponse(status_code=422, content=_body("invalid_request", message))
         return JSONResponse(status_code=exc.status_code, content=_body(code, message), headers=exc.headers)
 
     @app.exception_handler(OperationalError)

@@ -47,6 +47,22 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for the error answers a route can give (all share ErrorResponse)."""
+    text = {
+        400: "Bad request parameters.",
+        401: "No API key, or an unknown or revoked one.",
+        403: "The key may not do this.",
+        404: "No such job (or not one of your tenant's).",
+        409: "Conflicts with the job's state or an earlier request.",
+        413: "The body is too large.",
+        422: "Invalid input; `error.code` says how and `error.details` lists every field.",
+        429: "Too many requests for this key; see Retry-After.",
+        503: "The database is unreachable; retry.",
+    }
+    return {code: {"model": ErrorResponse, "description": text[code]} for code in codes}
+
+
 class JobProgress(BaseModel):
     step: int
     total_steps: int | None

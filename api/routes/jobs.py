@@ -5,13 +5,16 @@ import re
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Header, Query, Request, Response
+from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlmodel import Session
 
 from api import jobs as service
 from api.deps import DispatcherDep, ExecutorDep, SessionDep, SettingsDep, TenantDep
+from api.errors import ApiError
+from api.executors import FollowsLogs
 from api.schemas import (
     EXAMPLE_JOB,
     CheckpointList,
@@ -25,11 +28,15 @@ from api.schemas import (
     LogsResponse,
     MetricPoint,
     MetricsPage,
+    error_responses,
 )
 from api.states import JobStatus, is_final
 from worker.protocol import ProgressAck, ProgressBatch
 
-router = APIRouter(prefix="/jobs", tags=["jobs"])
+router = APIRouter(prefix="/jobs", tags=["jobs"], responses=error_responses(401, 413, 422, 429, 503))
+_job_token = HTTPBearer(
+    scheme_name="JobToken", description="The worker's per-job token ($TPUTUNE_JOB_TOKEN).", auto_error=False
+)
 
 _errors: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorResponse, "description": "No such job."},
@@ -91,7 +98,7 @@ def create_job(
     return JobPublic.of(job)
 
 
-@router.get("", response_model=JobPage, summary="List jobs, newest first")
+@router.get("", response_model=JobPage, summary="List jobs, newest first", responses=error_responses(400))
 def list_jobs(
     request: Request,
     session: SessionDep,
@@ -247,15 +254,44 @@ def job_checkpoints(job_id: str, session: SessionDep, tenant: TenantDep) -> Chec
     )
 
 
-@router.get("/{job_id}/logs", response_model=LogsResponse, summary="The job's worker log", responses=_errors)
+@router.get(
+    "/{job_id}/logs",
+    response_model=LogsResponse,
+    summary="The job's worker log (or, with follow, its live stream)",
+    responses={
+        **_errors,
+        200: {"content": {"text/plain": {}}, "description": "The log; with `follow=true`, plain text lines."},
+        409: {"model": ErrorResponse, "description": "`follow=true`: no worker log to follow (yet)."},
+    },
+)
 def job_logs(
     job_id: str,
     session: SessionDep,
     tenant: TenantDep,
     executor: ExecutorDep,
     tail: Annotated[int, Query(ge=1, le=10_000)] = 200,
-) -> LogsResponse:
+    follow: Annotated[
+        bool,
+        Query(description="Kubernetes: stream the lines as text, then new ones until the worker's pod ends."),
+    ] = False,
+) -> LogsResponse | StreamingResponse:
+    """JAX process 0's log: the last `tail` lines, or with `follow=true` those and then new ones as they
+    come (kubernetes executor; the stream ends when the pod does, e.g. at a restart: follow again)."""
     job = service.get_job(session, tenant, job_id)
+    if follow:
+        if not isinstance(executor, FollowsLogs):
+            raise ApiError(
+                400,
+                "follow_not_supported",
+                "This server runs jobs as local processes, whose logs cannot be followed; "
+                "poll GET /jobs/{id}/logs instead.",
+                param="follow",
+            )
+        try:
+            stream = executor.follow_logs(job, tail)
+        except LookupError as exc:
+            raise ApiError(409, "logs_not_ready", str(exc)) from None
+        return StreamingResponse((f"{line}\n" for line in stream), media_type="text/plain; charset=utf-8")
     lines, truncated = executor.logs(job, tail) if job.launched_at is not None else ([], False)
     return LogsResponse(job_id=job.id, lines=lines, truncated=truncated)
 
@@ -271,14 +307,11 @@ def post_progress(
     batch: Annotated[ProgressBatch, Body(openapi_examples={"reports": {"value": _PROGRESS_EXAMPLE}})],
     request: Request,
     session: SessionDep,
-    authorization: Annotated[str | None, Header(description="`Bearer <TPUTUNE_JOB_TOKEN>`")] = None,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_job_token)],
 ) -> ProgressAck:
     """The worker's side of the contract is described in `worker/protocol.py`: batches of reports,
     stored once per (job, kind, step, key), so retrying a batch is safe."""
-    token = None
-    if authorization and authorization.lower().startswith("bearer "):
-        token = authorization[7:].strip()
-    job = service.authenticate_worker(session, job_id, token)
+    job = service.authenticate_worker(session, job_id, credentials.credentials if credentials else None)
     ack = service.ingest_progress(session, job, batch)
     request.app.state.metrics.reports.inc(ack.accepted)
     return ack

@@ -13,9 +13,9 @@ from api.auth import COOKIE_NAME, new_api_key
 from api.deps import AdminDep, SessionDep
 from api.errors import ApiError
 from api.models import ApiKey, as_utc, utcnow
-from api.schemas import ErrorResponse
+from api.schemas import ErrorResponse, error_responses
 
-router = APIRouter(tags=["keys"])
+router = APIRouter(tags=["keys"], responses=error_responses(413, 422, 503))
 
 
 class KeyCreate(BaseModel):
