@@ -16,7 +16,7 @@ from api.db import make_engine
 from api.dispatcher import Dispatcher
 from api.executors import make_executor
 from api.observability import Metrics, RequestContext
-from api.routes import health, jobs, keys
+from api.routes import dashboard, health, jobs, keys
 from api.settings import Settings
 
 DESCRIPTION = """Fine-tune Gemma 3 with JAX: on a GKE TPU slice as a JobSet, or as local worker processes.
@@ -112,6 +112,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(keys.router)
+    app.include_router(dashboard.router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestContext, metrics=metrics)
     logging.getLogger("api").setLevel(settings.log_level.upper())

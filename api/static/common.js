@@ -1,0 +1,109 @@
+// Helpers shared by the dashboard pages: API calls, formatting, small DOM builders.
+
+export const FINAL_STATUSES = new Set(["succeeded", "failed", "cancelled"]);
+
+// Calls the JSON API; a failure throws the API's own error sentence (or says the API is unreachable).
+export async function api(path, options = {}) {
+  let response;
+  try {
+    response = await fetch(path, { headers: { Accept: "application/json" }, ...options });
+  } catch {
+    throw new Error("Could not reach the API; check that the server is running.");
+  }
+  const body = await response.json().catch(() => null);
+  if (response.status === 401) askToSignIn();
+  if (!response.ok) {
+    throw new Error(body?.error?.message ?? `The API answered ${response.status}.`);
+  }
+  return body;
+}
+
+// With keys turned on, the browser signs in once: POST /auth/session stores the key in an HttpOnly cookie.
+function askToSignIn() {
+  const form = document.getElementById("signin");
+  if (!form.hidden) return;
+  form.hidden = false;
+  form.querySelector("input").focus();
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const error = document.getElementById("signin-error");
+    try {
+      await api("/auth/session", {
+        method: "POST",
+        headers: { "Content-Type": "application/json" },
+        body: JSON.stringify({ key: new FormData(form).get("key") }),
+      });
+      location.reload();
+    } catch (err) {
+      error.textContent = err.message;
+      error.hidden = false;
+    }
+  });
+}
+
+// Creates an element with text content (never HTML, so job names and samples cannot inject markup).
+export function el(tag, { text, className, attrs } = {}, children = []) {
+  const node = document.createElement(tag);
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  if (className) node.className = className;
+  for (const [name, value] of Object.entries(attrs ?? {})) node.setAttribute(name, value);
+  node.append(...children);
+  return node;
+}
+
+export function formatNumber(value, digits = 4) {
+  if (value === null || value === undefined) return "—";
+  if (value !== 0 && (Math.abs(value) < 1e-3 || Math.abs(value) >= 1e6)) return value.toExponential(2);
+  return Number(value.toPrecision(digits)).toString();
+}
+
+export function formatInteger(value) {
+  return value === null || value === undefined ? "—" : Math.round(value).toLocaleString("en-US");
+}
+
+export function formatDuration(seconds) {
+  if (seconds === null || seconds === undefined) return "—";
+  const s = Math.max(0, Math.round(seconds));
+  const parts = [
+    [Math.floor(s / 86400), "d"],
+    [Math.floor((s % 86400) / 3600), "h"],
+    [Math.floor((s % 3600) / 60), "m"],
+    [s % 60, "s"],
+  ];
+  const first = parts.findIndex(([n]) => n > 0);
+  if (first === -1) return "0s";
+  return parts
+    .slice(first, first + 2)
+    .filter(([n], i) => i === 0 || n > 0)
+    .map(([n, unit]) => `${n}${unit}`)
+    .join(" ");
+}
+
+export function formatDate(iso) {
+  return iso ? new Date(iso).toLocaleString() : "—";
+}
+
+export function formatAge(iso) {
+  return `${formatDuration((Date.now() - new Date(iso).getTime()) / 1000).split(" ")[0]} ago`;
+}
+
+export function percent(fraction) {
+  return fraction === null || fraction === undefined ? "" : `${Math.floor(fraction * 100)}%`;
+}
+
+// A <progress> shows the fraction, or no value (indeterminate) while a run has no step total yet.
+export function setProgress(progress, job) {
+  const fraction = job.progress.fraction;
+  if (fraction !== null) {
+    progress.value = fraction;
+  } else if (job.status === "running") {
+    progress.removeAttribute("value");
+  } else {
+    progress.value = 0;
+  }
+  progress.setAttribute("aria-valuetext", percent(fraction) || "unknown");
+}
+
+export function statusBadge(status) {
+  return el("span", { text: status, className: "badge", attrs: { "data-status": status } });
+}

@@ -1,0 +1,245 @@
+// The job page: status, loss curve, samples, checkpoints and events, kept live by Server-Sent Events.
+import { LineChart } from "./chart.js";
+import {
+  api,
+  el,
+  FINAL_STATUSES,
+  formatDate,
+  formatDuration,
+  formatInteger,
+  formatNumber,
+  percent,
+  setProgress,
+} from "./common.js";
+
+const $ = (id) => document.getElementById(id);
+const jobId = decodeURIComponent(location.pathname.split("/").filter(Boolean).pop());
+const base = `/jobs/${encodeURIComponent(jobId)}`;
+// Everything but per-step metrics, which would bury the rest; those go to the chart.
+const TIMELINE_TYPES = [
+  "status", "launch", "eval", "checkpoint", "sample", "result", "restart", "warning", "error",
+];
+const REFRESH_MS = 1000;
+
+const chart = new LineChart(
+  $("loss-chart"),
+  [
+    { name: "loss", title: "Training loss", markers: false },
+    { name: "eval_loss", title: "Eval loss", markers: true },
+  ],
+  { xTitle: "Step", yTitle: "Loss", readout: $("chart-readout") },
+);
+const sampleRows = new Map();
+const checkpointRows = new Map();
+let job = null;
+
+function setStatus(status) {
+  $("status").textContent = status;
+  $("status").dataset.status = status;
+  $("cancel").disabled = FINAL_STATUSES.has(status) || status === "cancelling";
+}
+
+function showJob(next) {
+  job = next;
+  document.title = `${job.name} · tputune`;
+  $("job-name").textContent = job.name;
+  $("job-id").textContent = job.id;
+  setStatus(job.status);
+  $("status-message").textContent = job.status_message ?? "";
+  $("job-error").hidden = !job.error;
+  $("job-error-code").textContent = job.error?.code ?? "";
+  $("job-error-message").textContent = job.error?.message ?? "";
+
+  const { step, total_steps: total, fraction, eta_seconds: eta } = job.progress;
+  setProgress($("progress"), job);
+  let progress = total ? `Step ${step} of ${total} (${percent(fraction)})` : `Step ${step}`;
+  if (eta > 0 && !FINAL_STATUSES.has(job.status)) progress += ` · about ${formatDuration(eta)} left`;
+  $("progress-text").textContent = progress;
+
+  $("f-model").textContent = job.model;
+  $("f-method").textContent = job.method;
+  $("f-executor").textContent = job.executor;
+  $("f-loss").textContent = formatNumber(job.metrics.loss);
+  $("f-eval-loss").textContent = formatNumber(job.metrics.eval_loss);
+  $("f-lr").textContent = formatNumber(job.metrics.learning_rate);
+  $("f-tps").textContent = formatInteger(job.metrics.tokens_per_second);
+  $("f-tokens").textContent = formatInteger(job.trained_tokens);
+  $("f-restarts").textContent = String(job.restarts);
+  $("f-created").textContent = formatDate(job.created_at);
+  $("f-started").textContent = formatDate(job.started_at);
+  $("f-finished").textContent = formatDate(job.finished_at);
+  $("f-output").textContent = job.output_uri;
+}
+
+async function loadJob() {
+  showJob(await api(base));
+}
+
+// Many events can arrive together; re-read the job at most once a second for its progress and figures.
+let refreshTimer = null;
+function refreshSoon() {
+  refreshTimer ??= setTimeout(() => {
+    refreshTimer = null;
+    loadJob().catch(showLoadError);
+  }, REFRESH_MS);
+}
+
+function addSample(event) {
+  const { phase, prompt, text } = event.data ?? {};
+  let row = sampleRows.get(prompt);
+  if (!row) {
+    const cell = (phaseName) => el("td", {}, [el("div", { className: `sample-text ${phaseName}` })]);
+    row = el("tr", {}, [el("th", { text: prompt, attrs: { scope: "row" } }), cell("before"), cell("after")]);
+    sampleRows.set(prompt, row);
+    $("samples").tBodies[0].append(row);
+  }
+  row.querySelector(phase === "after" ? ".after" : ".before").textContent = text;
+  $("samples").hidden = false;
+  $("samples-empty").hidden = true;
+}
+
+function addCheckpoint(event) {
+  const data = event.data ?? {};
+  const saved = el("time", { text: formatDate(event.created_at), attrs: { datetime: event.created_at } });
+  const row = el("tr", { attrs: { "data-step": event.step } }, [
+    el("td", { text: event.step, className: "num" }),
+    el("td", { text: data.uri, className: "mono" }),
+    el("td", { text: formatNumber(data.loss ?? null), className: "num" }),
+    el("td", { text: formatNumber(data.eval_loss ?? null), className: "num" }),
+    el("td", {}, [saved]),
+  ]);
+  const existing = checkpointRows.get(event.step);
+  if (existing) {
+    existing.replaceWith(row);
+  } else {
+    const later = [...checkpointRows.keys()].filter((step) => step > event.step).sort((a, b) => a - b)[0];
+    $("checkpoints").tBodies[0].insertBefore(row, checkpointRows.get(later) ?? null);
+  }
+  checkpointRows.set(event.step, row);
+  $("checkpoints").hidden = false;
+  $("checkpoints-empty").hidden = true;
+}
+
+function addToTimeline(event) {
+  const when = el("time", { text: formatDate(event.created_at), attrs: { datetime: event.created_at } });
+  const item = el("li", { className: `event level-${event.level}`, attrs: { "data-type": event.type } }, [
+    when,
+    el("span", { text: event.type, className: "type" }),
+    el("span", { text: event.message, className: "message" }),
+  ]);
+  $("events").prepend(item);
+}
+
+function handleEvent(event) {
+  switch (event.type) {
+    case "metrics":
+      chart.add("loss", event.step, event.data?.loss);
+      return;
+    case "eval":
+      chart.add("eval_loss", event.step, event.data?.eval_loss);
+      break;
+    case "sample":
+      addSample(event);
+      break;
+    case "checkpoint":
+      addCheckpoint(event);
+      break;
+  }
+  addToTimeline(event);
+}
+
+// Pages through the non-metrics events oldest first; returns the last id, where the live stream resumes.
+async function loadEvents() {
+  let after = 0;
+  for (;;) {
+    const query = new URLSearchParams({ after: String(after), limit: "1000" });
+    for (const type of TIMELINE_TYPES) query.append("type", type);
+    const page = await api(`${base}/events?${query}`);
+    page.data.forEach(handleEvent);
+    if (page.data.length) after = page.data[page.data.length - 1].id;
+    if (!page.has_more) return after;
+  }
+}
+
+async function loadMetrics() {
+  const points = [];
+  let minStep = 0;
+  for (;;) {
+    const page = await api(`${base}/metrics?limit=10000&min_step=${minStep}`);
+    for (const point of page.data) points.push(point);
+    if (!page.has_more || !page.data.length) break;
+    minStep = page.data[page.data.length - 1].step + 1;
+  }
+  chart.set("loss", points.map((p) => ({ step: p.step, value: p.loss })));
+  chart.set("eval_loss", points.map((p) => ({ step: p.step, value: p.eval_loss })));
+}
+
+// Metrics events after `after` may repeat points loaded from /metrics; the chart keeps one per step.
+function follow(after) {
+  const live = $("live");
+  const source = new EventSource(`${base}/events?follow=true&after=${after}`);
+  source.addEventListener("open", () => {
+    live.textContent = "● Live";
+  });
+  for (const type of [...TIMELINE_TYPES, "metrics"]) {
+    source.addEventListener(type, (message) => {
+      // The connection's own failures are also "error" events, but not MessageEvents.
+      if (!(message instanceof MessageEvent)) return;
+      const event = JSON.parse(message.data);
+      handleEvent(event);
+      if (event.type === "status" && event.data?.status) setStatus(event.data.status);
+      refreshSoon();
+    });
+  }
+  source.addEventListener("end", () => {
+    source.close();
+    live.textContent = "Job finished; no more updates.";
+    loadJob().catch(showLoadError);
+  });
+  source.addEventListener("error", (event) => {
+    if (event instanceof MessageEvent) return;
+    live.textContent =
+      source.readyState === EventSource.CLOSED ? "Disconnected; reload to resume." : "Reconnecting…";
+  });
+}
+
+function showLoadError(error) {
+  $("load-error").textContent = error.message;
+  $("load-error").hidden = false;
+}
+
+$("cancel").addEventListener("click", async () => {
+  if (!confirm(`Cancel job ${job.name}? A running job stops its workers.`)) return;
+  $("cancel").disabled = true;
+  $("cancel-error").hidden = true;
+  try {
+    showJob(await api(`${base}/cancel`, { method: "POST" }));
+  } catch (error) {
+    $("cancel-error").textContent = error.message;
+    $("cancel-error").hidden = false;
+    loadJob().catch(showLoadError);
+  }
+});
+
+$("logs").addEventListener("toggle", async () => {
+  if (!$("logs").open) return;
+  try {
+    const logs = await api(`${base}/logs?tail=200`);
+    $("log-lines").textContent = logs.lines.join("\n") || "No log lines yet.";
+  } catch (error) {
+    $("log-lines").textContent = error.message;
+  }
+});
+
+async function start() {
+  try {
+    await loadJob();
+    const after = await loadEvents();
+    await loadMetrics();
+    follow(after);
+  } catch (error) {
+    showLoadError(error);
+  }
+}
+
+start();

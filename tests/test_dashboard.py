@@ -1,0 +1,429 @@
+"""The web dashboard (/ui/): its routes, and its pages in headless Chromium against the real API.
+
+Jobs are put in `running` the way the dispatcher leaves them (starting, with a worker token), then fed
+reports through POST /jobs/{id}/progress as a worker would; the dispatcher is off, so nothing else
+moves them. Screenshots go to test-artifacts/dashboard-*.png under the repository root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from playwright.sync_api import Browser, ConsoleMessage, Page, Request, expect, sync_playwright
+from sqlmodel import Session, select
+
+from api.jobs import new_job_token, transition
+from api.migrate import upgrade
+from api.models import Job
+from api.routes.dashboard import STATIC_DIR
+from api.states import JobStatus
+from tests.conftest import LiveApi
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+REQUIRE_BROWSER_ENV = "TPUTUNE_REQUIRE_BROWSER"
+ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+ADMIN = "admin-secret-0123456789"
+
+
+@pytest.fixture
+def database_url(tmp_path: Path) -> str:
+    """SQLite only: the pages read the JSON API, which the other tests run on both databases."""
+    url = f"sqlite:///{tmp_path / 'tputune.db'}"
+    upgrade(url)
+    return url
+
+
+# --- routes (no browser) ---------------------------------------------------------------------------
+
+
+def test_root_redirects_and_pages_are_served(client: TestClient) -> None:
+    root = client.get("/", follow_redirects=False)
+    assert root.status_code == 307 and root.headers["location"] == "/ui/"
+    assert client.get("/ui", follow_redirects=False).headers["location"].endswith("/ui/")
+    for path, script in (("/ui/", "jobs.js"), ("/ui/jobs/ft-anything", "job.js")):
+        page = client.get(path)
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert f'src="/ui/static/{script}"' in page.text
+        assert "script-src 'self'" in page.headers["content-security-policy"]
+
+
+def test_assets_are_served_and_nothing_else(client: TestClient) -> None:
+    for name, kind in (("job.js", "javascript"), ("chart.js", "javascript"), ("dashboard.css", "css")):
+        asset = client.get(f"/ui/static/{name}")
+        assert asset.status_code == 200 and kind in asset.headers["content-type"], name
+    for name in ("nope.js", "job.html", "..%2Fdashboard.py"):
+        missing = client.get(f"/ui/static/{name}")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found", name
+    assert not [path for path in client.get("/openapi.json").json()["paths"] if path.startswith("/ui")]
+
+
+def test_pages_load_nothing_from_other_origins() -> None:
+    """Works offline: no CDN scripts, styles, fonts or imports."""
+    external = re.compile(
+        r"""(src|href)\s*=\s*["']?(https?:)?//|from\s+["']https?:|url\(\s*["']?(https?:)?//"""
+    )
+    for path in STATIC_DIR.iterdir():
+        assert not external.search(path.read_text()), path.name
+
+
+# --- browser ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    if not CHROMIUM.exists():
+        reason = f"{CHROMIUM} is not installed (apt-get install chromium)"
+        if os.environ.get(REQUIRE_BROWSER_ENV, "").strip() == "1":
+            pytest.fail(f"{reason} and {REQUIRE_BROWSER_ENV}=1", pytrace=False)
+        pytest.skip(reason)
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+class Tab:
+    """A page that records what would break silently: script errors and requests leaving the API."""
+
+    def __init__(self, page: Page, origin: str) -> None:
+        self.page = page
+        self.errors: list[str] = []
+        self.foreign: list[str] = []
+        page.on("pageerror", lambda error: self.errors.append(str(error)))
+        page.on("console", self._console)
+        page.on("request", lambda request: self._request(request, origin))
+
+    def _console(self, message: ConsoleMessage) -> None:
+        if message.type == "error":
+            self.errors.append(message.text)
+
+    def _request(self, request: Request, origin: str) -> None:
+        if not request.url.startswith((origin + "/", "data:")):
+            self.foreign.append(request.url)
+
+    def assert_clean(self) -> None:
+        assert self.errors == [] and self.foreign == []
+
+
+@pytest.fixture
+def open_tab(browser: Browser) -> Iterator[Callable[[LiveApi, str], Tab]]:
+    contexts = []
+
+    def open_(api: LiveApi, path: str) -> Tab:
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        contexts.append(context)
+        context.set_default_timeout(10_000)
+        tab = Tab(context.new_page(), api.url)
+        tab.page.goto(api.url + path)
+        return tab
+
+    yield open_
+    for context in contexts:
+        context.close()
+
+
+def screenshot(page: Page, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=ARTIFACTS / f"dashboard-{name}.png", full_page=True)
+
+
+def create(api: LiveApi, dataset: Path, name: str) -> str:
+    with api.client() as http:
+        response = http.post("/jobs", json={"name": name, "model": "tiny", "dataset_uri": str(dataset)})
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+def started(api: LiveApi, dataset: Path, name: str) -> tuple[str, str]:
+    """A job as the dispatcher leaves it after launch: starting, with a worker token."""
+    job_id = create(api, dataset, name)
+    engine = api.server.config.app.state.engine  # type: ignore[union-attr]
+    with Session(engine, expire_on_commit=False) as session:
+        job = session.exec(select(Job).where(Job.id == job_id)).one()
+        transition(session, job, JobStatus.starting)
+        token, job.token_hash = new_job_token()
+        session.add(job)
+        session.commit()
+    return job_id, token
+
+
+def report(api: LiveApi, job_id: str, token: str, reports: list[dict[str, Any]]) -> None:
+    with api.client() as http:
+        response = http.post(
+            f"/jobs/{job_id}/progress",
+            json={"reports": reports},
+            headers={"Authorization": f"Bearer {token}"},
+        )
+    assert response.status_code == 200, response.text
+
+
+def step(n: int, loss: float, total: int = 20) -> dict[str, Any]:
+    return {
+        "kind": "metrics",
+        "step": n,
+        "total_steps": total,
+        "loss": loss,
+        "learning_rate": 1e-4,
+        "tokens_per_second": 1234.0,
+        "trained_tokens": n * 64,
+        "eta_seconds": float(total - n) * 30,
+    }
+
+
+def series(page: Page, name: str) -> list[list[float]]:
+    return json.loads(
+        page.locator(f'#loss-chart path[data-series="{name}"]').get_attribute("data-points") or ""
+    )
+
+
+def test_job_page_shows_history_updates_live_and_cancels(
+    live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    api = live_api(dispatcher_enabled=False)
+    job_id, token = started(api, dataset, "stories-lora")
+    losses = [[n, round(3.2 - 0.15 * n + (0.05 if n % 3 == 0 else 0.0), 4)] for n in range(1, 11)]
+    report(api, job_id, token, [{"kind": "status", "message": "Compiling the model.", "phase": "compiling"}])
+    report(api, job_id, token, [step(n, loss) for n, loss in losses])
+    report(
+        api,
+        job_id,
+        token,
+        [
+            {"kind": "eval", "step": 5, "eval_loss": 2.61},
+            {"kind": "eval", "step": 10, "eval_loss": 1.93},
+            {"kind": "checkpoint", "step": 5, "uri": "/out/ckpt/5", "loss": 2.45, "eval_loss": 2.61},
+            {"kind": "checkpoint", "step": 10, "uri": "/out/ckpt/10", "loss": 1.7},
+            {
+                "kind": "sample",
+                "step": 0,
+                "key": "0",
+                "phase": "before",
+                "prompt": "Once upon",
+                "text": "zq zq",
+            },
+            {
+                "kind": "sample",
+                "step": 10,
+                "key": "0",
+                "phase": "after",
+                "prompt": "Once upon",
+                "text": "a time",
+            },
+            {"kind": "warning", "step": 7, "message": "Loss spiked at step 6."},
+            {"kind": "status", "step": 10, "message": "Waiting for quota: 0 of 8 TPU chips free."},
+        ],
+    )
+
+    tab = open_tab(api, f"/ui/jobs/{job_id}")
+    page = tab.page
+    chart = page.locator("#loss-chart")
+    expect(chart.locator('path[data-series="loss"]')).to_have_attribute("data-count", "10")
+    assert series(page, "loss") == losses
+    assert series(page, "eval_loss") == [[5, 2.61], [10, 1.93]]
+    expect(chart.locator("circle.marker")).to_have_count(2)
+    expect(page.locator("#status")).to_have_text("running")
+    expect(page.locator("#status-message")).to_have_text("Waiting for quota: 0 of 8 TPU chips free.")
+    expect(page.locator("#progress-text")).to_have_text("Step 10 of 20 (50%) · about 5m left")
+    assert page.locator("#progress").get_attribute("value") == "0.5"
+    expect(page.locator("#f-tps")).to_have_text("1,234")
+    expect(page.locator("#job-error")).to_be_hidden()
+    expect(page.locator("#signin")).to_be_hidden()
+    sample = page.locator("#samples tbody tr")
+    expect(sample).to_have_count(1)
+    expect(sample.locator("th")).to_have_text("Once upon")
+    expect(sample.locator(".before")).to_have_text("zq zq")
+    expect(sample.locator(".after")).to_have_text("a time")
+    checkpoints = page.locator("#checkpoints tbody tr")
+    expect(checkpoints).to_have_count(2)
+    expect(checkpoints.nth(0)).to_contain_text("/out/ckpt/5")
+    expect(checkpoints.nth(1)).to_contain_text("/out/ckpt/10")
+    events = page.locator("#events li")
+    expect(events.first).to_contain_text("Waiting for quota")
+    expect(page.locator('#events li[data-type="warning"]')).to_contain_text("Loss spiked at step 6.")
+    expect(page.locator('#events li[data-type="metrics"]')).to_have_count(0)
+    expect(page.locator("#live")).to_have_text("● Live")
+
+    # A worker's next reports reach the open page through the event stream within seconds.
+    report(api, job_id, token, [step(11, 1.25)])
+    expect(chart.locator('path[data-series="loss"]')).to_have_attribute("data-count", "11", timeout=5_000)
+    assert series(page, "loss")[-1] == [11, 1.25]
+    report(api, job_id, token, [{"kind": "eval", "step": 11, "eval_loss": 1.5}])
+    expect(chart.locator("circle.marker")).to_have_count(3, timeout=5_000)
+    report(api, job_id, token, [{"kind": "checkpoint", "step": 11, "uri": "/out/ckpt/11"}])
+    expect(checkpoints).to_have_count(3, timeout=5_000)
+    expect(page.locator("#progress-text")).to_contain_text("Step 11 of 20", timeout=5_000)
+    screenshot(page, "job")
+
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.locator("#cancel").click()
+    expect(page.locator("#status")).to_have_text("cancelling")
+    expect(page.locator("#cancel")).to_be_disabled()
+    with api.client() as http:
+        assert http.get(f"/jobs/{job_id}").json()["status"] == "cancelling"
+    tab.assert_clean()
+
+
+def test_cancel_refused_shows_the_api_sentence(
+    live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    api = live_api(dispatcher_enabled=False)
+    job_id = create(api, dataset, "finishes-first")
+    tab = open_tab(api, f"/ui/jobs/{job_id}")
+    page = tab.page
+    # Keep the page from hearing that the job ends, as if it ended a moment before the click.
+    page.route("**/events?follow=true*", lambda route: route.abort())
+    page.reload()
+    expect(page.locator("#status")).to_have_text("queued")
+    with api.client() as http:
+        assert http.post(f"/jobs/{job_id}/cancel").json()["status"] == "cancelled"
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.locator("#cancel").click()
+    expect(page.locator("#cancel-error")).to_have_text(
+        f"Job {job_id} already cancelled; only queued or running jobs can be cancelled."
+    )
+    expect(page.locator("#status")).to_have_text("cancelled")
+    expect(page.locator("#cancel")).to_be_disabled()
+
+
+def test_fresh_queued_job_renders_and_cancels(
+    live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    api = live_api(dispatcher_enabled=False)
+    job_id = create(api, dataset, "fresh")
+    tab = open_tab(api, f"/ui/jobs/{job_id}")
+    page = tab.page
+    expect(page.locator("#status")).to_have_text("queued")
+    expect(page.locator("#status-message")).to_have_text("Waiting for the dispatcher to start it.")
+    expect(page.locator("#loss-chart text.empty")).to_have_text("No metrics yet")
+    assert series(page, "loss") == [] and series(page, "eval_loss") == []
+    expect(page.locator("#progress-text")).to_have_text("Step 0")
+    for field in ("#f-loss", "#f-eval-loss", "#f-tps", "#f-started", "#f-finished"):
+        expect(page.locator(field)).to_have_text("—")
+    expect(page.locator("#samples-empty")).to_be_visible()
+    expect(page.locator("#checkpoints-empty")).to_be_visible()
+    expect(page.locator("#events li")).to_have_count(1)
+
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.locator("#cancel").click()
+    expect(page.locator("#status")).to_have_text("cancelled")
+    expect(page.locator("#cancel")).to_be_disabled()
+    expect(page.locator("#live")).to_have_text("Job finished; no more updates.")
+    expect(page.locator("#events li").first).to_contain_text("Cancelled before it started.")
+    tab.assert_clean()
+
+
+def test_unknown_job_shows_the_api_sentence(
+    live_api: Callable[..., LiveApi], open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    api = live_api(dispatcher_enabled=False)
+    page = open_tab(api, "/ui/jobs/ft-missing").page
+    expect(page.locator("#load-error")).to_have_text(
+        "No job with id 'ft-missing'. List your jobs with GET /jobs."
+    )
+
+
+def test_thousands_of_points_are_kept_and_drawn_downsampled(
+    live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    api = live_api(dispatcher_enabled=False)
+    job_id, token = started(api, dataset, "long")
+    total = 5000
+    losses = {n: 3.0 - n / total for n in range(1, total + 1)}
+    losses[2500] = 50.0  # one spike, which downsampling must not drop
+    for first in range(1, total + 1, 1000):
+        report(api, job_id, token, [step(n, losses[n], total) for n in range(first, first + 1000)])
+    failure = "The loss became NaN at step 5000; lower the learning rate."
+    report(api, job_id, token, [{"kind": "error", "step": total, "code": "nan_loss", "message": failure}])
+
+    tab = open_tab(api, f"/ui/jobs/{job_id}")
+    path = tab.page.locator('#loss-chart path[data-series="loss"]')
+    expect(path).to_have_attribute("data-count", str(total))
+    assert series(tab.page, "loss") == [[n, loss] for n, loss in losses.items()]
+    drawn = [float(y) for y in re.findall(r"[ML][\d.]+,([\d.]+)", path.get_attribute("d") or "")]
+    assert 100 < len(drawn) < total / 2
+    assert min(drawn) < 40  # the spike reaches the top of the plot (y grows downwards)
+    expect(tab.page.locator("#job-error")).to_have_text(f"nan_loss {failure}")
+    expect(tab.page.locator('#events li[data-type="error"]')).to_contain_text(failure)
+    screenshot(tab.page, "long")
+    tab.assert_clean()
+
+
+def test_jobs_list_filters_links_and_refreshes(
+    live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    api = live_api(dispatcher_enabled=False)
+    queued = create(api, dataset, "waiting")
+    running, token = started(api, dataset, "training")
+    report(api, running, token, [step(5, 2.3456)])
+    cancelled = create(api, dataset, "stopped")
+    with api.client() as http:
+        http.post(f"/jobs/{cancelled}/cancel")
+
+    tab = open_tab(api, "/")
+    page = tab.page
+    expect(page).to_have_url(api.url + "/ui/")
+    rows = page.locator("#jobs tbody tr")
+    expect(rows).to_have_count(3)
+    expect(rows.nth(0)).to_have_attribute("data-job-id", cancelled)
+    row = page.locator(f'tr[data-job-id="{running}"]')
+    expect(row.locator(".badge")).to_have_text("running")
+    expect(row).to_contain_text("tiny")
+    expect(row).to_contain_text("25%")
+    expect(row.locator("td.num")).to_have_text("2.346")
+    screenshot(page, "jobs")
+
+    page.locator("#status-filter").select_option("running")
+    expect(rows).to_have_count(1)
+    expect(rows.first).to_have_attribute("data-job-id", running)
+    expect(page).to_have_url(api.url + "/ui/?status=running")
+    page.locator("#status-filter").select_option("queued")
+    expect(rows).to_have_count(1)
+    expect(rows.first).to_have_attribute("data-job-id", queued)
+    page.locator("#status-filter").select_option("")
+    expect(rows).to_have_count(3)
+
+    newer = create(api, dataset, "newer")
+    expect(rows).to_have_count(4, timeout=10_000)
+    expect(rows.first).to_have_attribute("data-job-id", newer)
+
+    page.get_by_role("link", name="training").click()
+    expect(page).to_have_url(f"{api.url}/ui/jobs/{running}")
+    expect(page.locator("#job-name")).to_have_text("training")
+    tab.assert_clean()
+
+
+def test_sign_in_when_keys_are_required(
+    live_api: Callable[..., LiveApi], open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    api = live_api(dispatcher_enabled=False, admin_key=ADMIN)
+    page = open_tab(api, "/ui/").page
+    form = page.locator("#signin")
+    expect(form).to_be_visible()
+    page.get_by_label("API key").fill("tpt_wrong")
+    page.get_by_role("button", name="Sign in").click()
+    expect(page.locator("#signin-error")).to_have_text(
+        "This API key is unknown or revoked; ask your admin for a new one."
+    )
+    page.get_by_label("API key").fill(ADMIN)
+    page.get_by_role("button", name="Sign in").click()
+    expect(page.locator("#empty")).to_be_visible()
+    expect(form).to_be_hidden()
+    assert httpx.get(api.url + "/jobs").status_code == 401  # the key lives in this browser's cookie only
