@@ -4,7 +4,7 @@ export UV_PYTHON_DOWNLOADS := never
 UV ?= $(shell command -v uv 2>/dev/null || echo "python3.12 -m uv")
 VENV_STAMP := .venv/.synced
 
-.PHONY: install demo serve test lint format
+.PHONY: install system-deps demo serve test lint format
 
 $(VENV_STAMP): pyproject.toml uv.lock
 	@command -v uv >/dev/null 2>&1 || python3.12 -m uv --version >/dev/null 2>&1 || python3.12 -m pip install --quiet uv
@@ -12,6 +12,17 @@ $(VENV_STAMP): pyproject.toml uv.lock
 	@touch $(VENV_STAMP)
 
 install: $(VENV_STAMP)
+
+# Test-only system packages: a PostgreSQL server for the database tests, Chromium for the dashboard test.
+system-deps:
+	@missing=""; \
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing$$missing"; apt-get update -qq && apt-get install -y -qq $$missing >/dev/null; \
+	  else echo "note:$$missing not installed; those tests will be skipped"; fi; \
+	fi
 
 demo: install
 	$(UV) run --no-sync tputune demo
@@ -28,5 +39,5 @@ format: install
 	$(UV) run --no-sync ruff format .
 	$(UV) run --no-sync ruff check --fix .
 
-test: lint
+test: lint system-deps
 	$(UV) run --no-sync pytest $(PYTEST_ARGS)
