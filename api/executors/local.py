@@ -70,6 +70,8 @@ class LocalExecutor:
 
     def find(self, job: Job) -> dict[str, Any] | None:
         job_dir = self.job_dir(job)
+        if not job_dir.exists():
+            return None  # _start makes the dir before it spawns anything: no dir, no run
         recorded = _read_json(job_dir / RUNNER_FILE)
         if recorded and _alive(recorded):
             return {**recorded, "pgid": recorded["pid"]}

@@ -1,0 +1,206 @@
+"""Faults: the database goes away under load; the API process is killed while jobs are submitted."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+
+from api.migrate import upgrade
+from api.runner import process_start_time
+from api.settings import Settings
+from tests.conftest import LiveApi, free_port
+from tests.support.postgres import PostgresNotAvailable, PostgresServer, find_pg_bindir
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def own_postgres() -> PostgresServer:
+    try:
+        server = PostgresServer(find_pg_bindir())
+    except PostgresNotAvailable as exc:
+        if os.environ.get("TPUTUNE_REQUIRE_POSTGRES"):
+            pytest.fail(str(exc))
+        pytest.skip(f"PostgreSQL server binaries not found ({exc})")
+    server.start()
+    yield server
+    server.close()
+
+
+def test_database_restart_under_load(own_postgres: PostgresServer, tmp_path: Path, dataset: Path) -> None:
+    url = own_postgres.create_database("faults")
+    upgrade(url)
+    settings = Settings(
+        data_dir=tmp_path / "state",
+        database_url=url,
+        port=free_port(),
+        dispatcher_enabled=False,
+        allowed_data_roots=[dataset.parent],
+        allow_tiny_model=True,
+    )
+    api = LiveApi(settings)
+    api.start()
+    with api.client() as http:
+        job_id = http.post("/jobs", json={"name": "a", "model": "tiny", "dataset_uri": str(dataset)}).json()[
+            "id"
+        ]
+    results: list[tuple[float, int, float]] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        with httpx.Client(base_url=api.url, timeout=10) as http:
+            while not stop.is_set():
+                started = time.monotonic()
+                try:
+                    if random.random() < 0.5:
+                        code = http.get(f"/jobs/{job_id}").status_code
+                    else:
+                        code = http.post(
+                            "/jobs", json={"name": "b", "model": "tiny", "dataset_uri": str(dataset)}
+                        ).status_code
+                except httpx.HTTPError:
+                    code = 0
+                results.append((started, code, time.monotonic() - started))
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
+    down_at = time.monotonic()
+    own_postgres.stop()
+    time.sleep(3.0)
+    with api.client() as http:
+        ready = http.get("/readyz")
+    up_at = time.monotonic()
+    own_postgres.start()
+    time.sleep(4.0)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    api.stop()
+
+    assert ready.status_code == 503
+    codes = Counter(code for _, code, _ in results)
+    assert set(codes) <= {200, 201, 503}, codes  # never a 500, never a dropped connection
+    outage = [(code, took) for t, code, took in results if down_at + 0.5 < t < up_at]
+    assert outage and all(code == 503 for code, _ in outage)
+    assert max(took for _, took in outage) < 3.5  # fails fast instead of hanging
+    recovered = [code for t, code, _ in results if t > up_at + 2.0]
+    assert recovered and all(code in (200, 201) for code in recovered)
+
+
+CRASH_WORKER = "import os, sys, time; open('launches.log', 'a').write(f'{os.getpid()}\\n'); time.sleep(0.05)"
+
+
+def _serve(settings_env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "api.cli", "serve"],
+            env={**os.environ, **settings_env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def _wait_up(url: str, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the API exited"
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("API did not come up")
+
+
+def test_sigkill_during_submissions_loses_and_doubles_nothing(tmp_path: Path, dataset: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    jobs_dir = tmp_path / "state" / "jobs"
+    env = {
+        "TPUTUNE_DATA_DIR": str(tmp_path / "state"),
+        "TPUTUNE_PORT": str(port),
+        "TPUTUNE_ALLOWED_DATA_ROOTS": str(dataset.parent),
+        "TPUTUNE_ALLOW_TINY_MODEL": "true",
+        "TPUTUNE_DISPATCH_INTERVAL_SECONDS": "0.05",
+        "TPUTUNE_WORKER_COMMAND": f"{shlex.quote(sys.executable)} -c {shlex.quote(CRASH_WORKER)}",
+        "TPUTUNE_LOG_LEVEL": "warning",
+    }
+    log = tmp_path / "api.log"
+    proc = _serve(env, log)
+    _wait_up(url, proc)
+    accepted: dict[str, str] = {}
+    lock = threading.Lock()
+
+    def submit(index: int) -> None:
+        key = f"job-{index}"
+        body = {"name": key, "model": "tiny", "dataset_uri": str(dataset)}
+        # A client that retries with its Idempotency-Key until it gets an answer.
+        while True:
+            try:
+                response = httpx.post(f"{url}/jobs", json=body, headers={"Idempotency-Key": key}, timeout=5)
+            except httpx.HTTPError:
+                time.sleep(0.2)
+                continue
+            if response.status_code in (200, 201):
+                with lock:
+                    assert accepted.setdefault(key, response.json()["id"]) == response.json()["id"]
+                return
+            time.sleep(0.2)
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(200)]
+    for thread in threads:
+        thread.start()
+    rng = random.Random(7)
+    for _ in range(3):
+        time.sleep(rng.uniform(0.3, 1.5))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc = _serve(env, log)
+        _wait_up(url, proc)
+    for thread in threads:
+        thread.join(timeout=120)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            page = httpx.get(
+                f"{url}/jobs", params={"limit": 100, "status": ["queued", "starting", "running"]}
+            ).json()
+            if not page["data"]:
+                break
+            assert time.monotonic() < deadline, f"{len(page['data'])} jobs still active"
+            time.sleep(0.5)
+        ids: list[str] = []
+        after = None
+        while True:
+            page = httpx.get(
+                f"{url}/jobs", params={"limit": 100, **({"after": after} if after else {})}
+            ).json()
+            ids += [job["id"] for job in page["data"] if job["status"] == "succeeded"]
+            if not page["has_more"]:
+                break
+            after = page["next_after"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert len(accepted) == 200
+    assert sorted(ids) == sorted(accepted.values())  # every accepted job exists once, and succeeded
+    launches = {job_id: (jobs_dir / job_id / "launches.log").read_text().split() for job_id in ids}
+    doubled = {job_id: pids for job_id, pids in launches.items() if len(pids) != 1}
+    assert not doubled  # launched exactly once
+    for runner_file in jobs_dir.glob("*/runner.json"):
+        assert process_start_time(json.loads(runner_file.read_text())["pid"]) is None  # nothing orphaned
