@@ -1,0 +1,86 @@
+"""Two JAX processes (Gloo over localhost, 2 CPU devices each) train like one process on the same batches."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import PartitionSpec as P
+
+from tests.worker.helpers import (
+    TEST_OPTIONS,
+    Recorder,
+    compile_cache,  # noqa: F401
+    free_port,
+    losses,
+    parse_reports,
+    report_losses,
+    start_worker,
+    tiny_config,
+)
+from worker import train
+from worker.config import EXIT_OK
+
+STEPS = 6
+
+
+def test_fsdp_shards_the_largest_divisible_dimension_and_replicates_small_arrays() -> None:
+    mesh = AbstractMesh((2, 4), train.MESH_AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+    def spec(*shape: int) -> P:
+        return train.fsdp_sharding(mesh, shape).spec  # type: ignore[arg-type]
+
+    assert spec(262_144, 640) == P("fsdp", None)
+    assert spec(4, 640, 256) == P(None, "fsdp", None)
+    assert spec(2, 1, 640, 256) == P(None, None, "fsdp", None)
+    assert spec(3, 5001, 7) == P(None, None, None)  # nothing divides by 4
+    assert spec(640) == P(None)  # a norm scale: too small to be worth it
+    assert spec() == P()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_processes_reproduce_the_single_process_losses(
+    tmp_path: Path,
+    story_corpus: Path,
+    tiny_tokenizer_path: Path,
+    compile_cache: dict[str, str],  # noqa: F811
+) -> None:
+    coordinator = f"127.0.0.1:{free_port()}"
+    pair = [
+        start_worker(
+            tiny_config(tmp_path / "pair", story_corpus, tiny_tokenizer_path, max_steps=STEPS),
+            tmp_path,
+            env={
+                **compile_cache,
+                "JAX_NUM_CPU_DEVICES": "2",
+                "JAX_COORDINATOR_ADDRESS": coordinator,
+                "JAX_NUM_PROCESSES": "2",
+                "JAX_PROCESS_ID": str(index),
+            },
+            name=f"process{index}",
+        )
+        for index in (0, 1)
+    ]
+    # Meanwhile this process, holding both data shards, builds exactly the global batches the pair builds.
+    single = Recorder()
+    config = tiny_config(tmp_path / "single", story_corpus, tiny_tokenizer_path, max_steps=STEPS)
+    assert train.run(config, single, dataclasses.replace(TEST_OPTIONS, data_shards=2)) == EXIT_OK
+    outputs = [process.communicate(timeout=500)[0] for process in pair]
+
+    for index, process in enumerate(pair):
+        assert process.returncode == EXIT_OK, (tmp_path / f"process{index}.log").read_text()[-3000:]
+    assert parse_reports(outputs[1]) == []  # only process 0 reports
+    pair_losses = report_losses(parse_reports(outputs[0]))
+    single_losses = losses(single.reports)
+    assert sorted(pair_losses) == sorted(single_losses) == list(range(1, STEPS + 1))
+    # Four devices against this process's one: the same sums, added in another order.
+    np.testing.assert_allclose(
+        [pair_losses[s] for s in range(1, STEPS + 1)],
+        [single_losses[s] for s in range(1, STEPS + 1)],
+        rtol=1e-4,
+    )
+    assert (tmp_path / "pair" / "final" / "params").is_dir()

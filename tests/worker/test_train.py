@@ -1,0 +1,253 @@
+"""The trainer on the tiny model, in this process: loss, LoRA, packed attention, accumulation, failures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from gemma import gm
+
+from tests.worker.helpers import TEST_OPTIONS, Recorder, compile_cache, losses, tiny_config  # noqa: F401
+from worker import model as gemma
+from worker import train
+from worker.checkpoint import export_params
+from worker.config import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
+from worker.data import TrainData, read_documents
+from worker.stories import write_txt
+from worker.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.usefixtures("compile_cache")
+
+SEQ = 64
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_tokenizer: Tokenizer) -> tuple[gemma.Model, dict]:
+    model = gemma.build_model(
+        "tiny", tiny_tokenizer.vocab_size, lora_rank=None, param_dtype=jnp.float32, compute_dtype=jnp.float32
+    )
+    mesh = train.make_mesh(1)
+    params, _ = model.init_params(0, (train.tree_shardings(mesh, model.abstract_params()[0]), {}))
+    return model, params
+
+
+@pytest.fixture(scope="module")
+def batch(story_corpus: Path, tiny_tokenizer: Tokenizer) -> dict[str, np.ndarray]:
+    data = TrainData(read_documents(str(story_corpus))[:40], tiny_tokenizer, SEQ, 8, 0, [0], 1)
+    return data.batch(0)
+
+
+@pytest.fixture(scope="module")
+def full_run(
+    tmp_path_factory: pytest.TempPathFactory, story_corpus: Path, tiny_tokenizer_path: Path
+) -> tuple[Path, Recorder]:
+    """A full fine-tune of the tiny model with eval, checkpoints and samples: (output dir, its reports)."""
+    output = tmp_path_factory.mktemp("full")
+    config = tiny_config(
+        output,
+        story_corpus,
+        tiny_tokenizer_path,
+        spec={"validation_split": 0.05, "sample_prompts": ["Once upon a time"]},
+        eval_every_steps=6,
+        checkpoint_every_steps=6,
+    )
+    recorder = Recorder()
+    assert train.run(config, recorder, TEST_OPTIONS) == EXIT_OK
+    return output, recorder
+
+
+def test_full_fine_tune_lowers_the_loss_and_exports(full_run: tuple[Path, Recorder]) -> None:
+    output, recorder = full_run
+    curve = losses(recorder.reports)
+    assert sorted(curve) == list(range(1, 13))
+    assert curve[12] < curve[1] - 0.5
+    metrics = recorder.of_kind("metrics")[-1]
+    assert metrics.total_steps == 12 and metrics.tokens_per_second > 0 and metrics.eta_seconds == 0
+    trained = [m.trained_tokens for m in recorder.of_kind("metrics")]
+    assert trained == sorted(set(trained)) and trained[0] > 0
+    evals = recorder.of_kind("eval")
+    assert [e.step for e in evals] == [6, 12] and evals[1].eval_loss < evals[0].eval_loss
+    checkpoints = recorder.of_kind("checkpoint")
+    assert [c.step for c in checkpoints] == [6, 12] and checkpoints[0].loss == curve[6]
+    assert checkpoints[1].eval_loss == evals[1].eval_loss
+    assert [s.phase for s in recorder.of_kind("sample")] == ["before", "after"]
+    (result,) = recorder.of_kind("result")
+    assert result.output_uri == str(output / "final") and result.loss == curve[12]
+    assert result.trained_tokens == metrics.trained_tokens
+    # The export is a plain Gemma checkpoint that gemma's own loader reads.
+    params = gm.ckpts.load_params(output / "final" / "params")
+    assert params["embedder"]["input_embedding"].shape == (1000, 128)
+
+
+def test_lora_on_a_trained_base_trains_only_the_adapter(
+    tmp_path: Path, story_corpus: Path, tiny_tokenizer_path: Path, full_run: tuple[Path, Recorder]
+) -> None:
+    # Four stories pack into one batch: every step sees (nearly) the same rows, so the curve is smooth.
+    small = write_txt(tmp_path / "small.txt", read_documents(str(story_corpus))[:4])
+    base_uri = full_run[0] / "final" / "params"
+    config = tiny_config(
+        tmp_path / "out",
+        small,
+        tiny_tokenizer_path,
+        spec={
+            "base_checkpoint_uri": str(base_uri),
+            "method": {"type": "lora", "lora_rank": 4, "export_merged": True},
+        },
+        learning_rate=2e-2,
+        max_steps=24,
+        epochs=24,
+    )
+    recorder = Recorder()
+
+    assert train.run(config, recorder, TEST_OPTIONS) == EXIT_OK
+
+    curve = [loss for _, loss in sorted(losses(recorder.reports).items())]
+    # The adapter starts at zero, so LoRA starts from the trained base's loss, not a random model's ~6.9.
+    assert len(curve) == 24 and curve[0] < 6.0
+    assert np.mean(curve[-4:]) < np.mean(curve[:4]) - 0.08
+    base = gm.ckpts.load_params(base_uri)
+    adapter = gm.ckpts.load_params(tmp_path / "out" / "final" / "adapter")
+    merged = gm.ckpts.load_params(tmp_path / "out" / "final" / "params")
+    # Only the einsum weights that carry an adapter move; embeddings and norms are the base's.
+    np.testing.assert_array_equal(merged["embedder"]["input_embedding"], base["embedder"]["input_embedding"])
+    norm = merged["layer_1"]["pre_ffw_norm"]["scale"]
+    np.testing.assert_array_equal(norm, base["layer_1"]["pre_ffw_norm"]["scale"])
+    assert not np.allclose(
+        merged["layer_0"]["attn"]["q_einsum"]["w"], base["layer_0"]["attn"]["q_einsum"]["w"]
+    )
+    # And the merged weights compute what base + adapter compute.
+    lora = gemma.build_model("tiny", 1000, lora_rank=4, param_dtype=jnp.float32, compute_dtype=jnp.float32)
+    plain = gemma.build_model(
+        "tiny", 1000, lora_rank=None, param_dtype=jnp.float32, compute_dtype=jnp.float32
+    )
+    tokens = np.arange(4, 36, dtype=np.int32)[None]
+    segments, positions = np.ones_like(tokens), np.arange(32, dtype=np.int32)[None]
+    np.testing.assert_allclose(
+        gemma.forward(plain, merged, {}, tokens, segments, positions),
+        gemma.forward(lora, adapter, base, tokens, segments, positions),
+        atol=2e-4,
+        rtol=1e-4,
+    )
+
+
+def test_packed_documents_never_attend_across(tiny: tuple[gemma.Model, dict]) -> None:
+    model, params = tiny
+    rng = np.random.default_rng(0)
+    doc_a, doc_b = rng.integers(4, 1000, 40), rng.integers(4, 1000, 16)
+    pad = SEQ - len(doc_a) - len(doc_b)
+
+    def logits(first: np.ndarray) -> np.ndarray:
+        tokens = np.concatenate([first, doc_b, np.zeros(pad, int)])[None].astype(np.int32)
+        segments = np.repeat([1, 2, 0], [len(first), len(doc_b), pad])[None].astype(np.int32)
+        positions = np.concatenate([np.arange(len(first)), np.arange(len(doc_b)), np.zeros(pad, int)])
+        return np.asarray(
+            gemma.forward(model, params, {}, tokens, segments, positions[None].astype(np.int32))
+        )
+
+    packed = logits(doc_a)
+    changed = logits(rng.integers(4, 1000, 40))
+    b = slice(len(doc_a), len(doc_a) + len(doc_b))
+    np.testing.assert_allclose(changed[0, b], packed[0, b], atol=1e-5)
+    assert not np.allclose(changed[0, : len(doc_a)], packed[0, : len(doc_a)], atol=1e-3)
+    # Document B alone at the start of a row gets the very logits it gets packed behind A.
+    alone = np.concatenate([doc_b, np.zeros(SEQ - len(doc_b), int)])[None].astype(np.int32)
+    segments = (np.arange(SEQ) < len(doc_b)).astype(np.int32)[None]
+    positions = np.where(segments[0] > 0, np.arange(SEQ), 0).astype(np.int32)[None]
+    single = np.asarray(gemma.forward(model, params, {}, alone, segments, positions))
+    np.testing.assert_allclose(single[0, : len(doc_b)], packed[0, b], atol=1e-4)
+
+
+def test_pad_targets_carry_no_loss(tiny: tuple[gemma.Model, dict], batch: dict[str, np.ndarray]) -> None:
+    model, params = tiny
+    # Row 0 ends in 20 pad slots (zero in every field, as the packer leaves them).
+    padded = {name: array.copy() for name, array in batch.items()}
+    for array in padded.values():
+        array[0, -20:] = 0
+    padded["loss_mask"][0, -21] = 0
+    masked = padded["loss_mask"] == 0
+    loss_sum, count = train.loss_sums(model, params, {}, padded)
+    assert count == padded["loss_mask"].sum()
+
+    changed = (padded["targets"] + 7) % 1000
+    scrambled = dict(padded, targets=np.where(masked, changed, padded["targets"]))
+    assert np.isclose(float(train.loss_sums(model, params, {}, scrambled)[0]), float(loss_sum), rtol=1e-6)
+    real = dict(padded, targets=np.where(masked, padded["targets"], changed))
+    assert not np.isclose(float(train.loss_sums(model, params, {}, real)[0]), float(loss_sum), rtol=1e-5)
+
+
+def test_gradient_accumulation_equals_one_batch(
+    tiny: tuple[gemma.Model, dict], batch: dict[str, np.ndarray]
+) -> None:
+    model, params = tiny
+    # Plain SGD, so the new params show the gradient itself (Adam would amplify float noise).
+    optimizer = optax.sgd(1.0)
+    state = {"step": jnp.int32(0), "params": params, "opt_state": optimizer.init(params)}
+    stop = jnp.zeros(1, jnp.int32)
+    (state_1, metrics_1), (state_4, metrics_4) = [
+        jax.jit(train.make_train_step(model, optimizer, optax.constant_schedule(1.0), accumulation))(
+            state, {}, batch, stop
+        )
+        for accumulation in (1, 4)
+    ]
+    assert float(metrics_1["tokens"]) == float(metrics_4["tokens"]) == batch["loss_mask"].sum()
+    np.testing.assert_allclose(metrics_4["loss"], metrics_1["loss"], rtol=1e-5)
+    np.testing.assert_allclose(metrics_4["grad_norm"], metrics_1["grad_norm"], rtol=1e-4)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), state_4["params"], state_1["params"]
+    )
+
+
+def test_a_loss_that_is_not_finite_stops_the_run(
+    tmp_path: Path, story_corpus: Path, tiny_tokenizer_path: Path, tiny: tuple[gemma.Model, dict]
+) -> None:
+    _, params = tiny
+    broken = jax.tree.map(np.array, params)
+    broken["final_norm"]["scale"][:] = np.nan
+    export_params(broken, str(tmp_path / "broken"))
+    config = tiny_config(
+        tmp_path / "out",
+        story_corpus,
+        tiny_tokenizer_path,
+        spec={"base_checkpoint_uri": str(tmp_path / "broken")},
+    )
+    recorder = Recorder()
+
+    assert train.run(config, recorder, TEST_OPTIONS) == EXIT_FAILED
+
+    (error,) = recorder.of_kind("error")
+    assert error.code == "loss_not_finite" and error.step == 1
+    assert "nan" in error.message and not recorder.of_kind("result")
+
+
+def test_bad_data_fails_before_compiling(tmp_path: Path, tiny_tokenizer_path: Path) -> None:
+    config = tiny_config(tmp_path, tmp_path / "missing.txt", tiny_tokenizer_path)
+    recorder = Recorder()
+
+    assert train.run(config, recorder, TEST_OPTIONS) == EXIT_BAD_INPUT
+
+    (error,) = recorder.of_kind("error")
+    assert error.code == "dataset_not_found" and "missing.txt" in error.message
+    assert not [s for s in recorder.of_kind("status") if s.phase == "compiling"]
+
+
+def test_a_cancel_from_the_api_stops_after_a_checkpoint(
+    tmp_path: Path, story_corpus: Path, tiny_tokenizer_path: Path
+) -> None:
+    def cancel_at_step_3(report: object) -> None:
+        if getattr(report, "kind", None) == "metrics" and getattr(report, "step", 0) == 3:
+            recorder.cancel = True
+
+    recorder = Recorder(cancel_at_step_3)
+    config = tiny_config(tmp_path, story_corpus, tiny_tokenizer_path)
+
+    assert train.run(config, recorder, TEST_OPTIONS) == EXIT_OK
+
+    # The flag rides along with the next dispatched step and is read one step later.
+    (checkpoint,) = recorder.of_kind("checkpoint")
+    assert 4 <= checkpoint.step <= 6 and max(losses(recorder.reports)) == checkpoint.step
+    assert "cancelled" in recorder.of_kind("status")[-1].message
+    assert not recorder.of_kind("result") and (tmp_path / "checkpoints" / str(checkpoint.step)).is_dir()

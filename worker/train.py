@@ -1,0 +1,651 @@
+"""The training run: distributed setup, mesh and shardings, the jitted train step and the host loop.
+
+One mesh spans every device of every process with axes ("data", "fsdp"): params and optimizer state are
+sharded over "fsdp" on their largest divisible dimension (small arrays are replicated), batches over both
+axes. Each process packs its own data shards and contributes its rows to the global batch.
+
+The host loop dispatches step k before it reads step k-1's metrics, so the devices never wait for Python.
+Stop requests (SIGTERM, a cancel from the API) ride along in each step's input and come back in its
+metrics, so every process sees them at the same step and they all stop together, at most two steps after
+the request; the run then saves a checkpoint and exits (EXIT_PREEMPTED on SIGTERM, EXIT_OK on a cancel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import mesh_utils, multihost_utils
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from worker import model as gemma
+from worker.checkpoint import Checkpoints, export_params, join, write_json
+from worker.config import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    TINY_MODEL,
+    JobSpec,
+    WorkerConfig,
+)
+from worker.data import (
+    Batch,
+    DataError,
+    EvalData,
+    TrainData,
+    load_train_data,
+    read_documents,
+    split_validation,
+)
+from worker.protocol import (
+    CheckpointReport,
+    ErrorReport,
+    EvalReport,
+    MetricsReport,
+    ResultReport,
+    SampleReport,
+    StatusReport,
+)
+from worker.report import Reporter
+from worker.tokenizer import OFFICIAL_TOKENIZER_URI, Tokenizer, TokenizerError
+
+log = logging.getLogger(__name__)
+
+ENV_COORDINATOR_ADDRESS = "JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_PROCESS_ID"
+
+MESH_AXES = ("data", "fsdp")
+# Arrays smaller than this are replicated: sharding them saves little memory and costs a gather each.
+MIN_SHARDED_SIZE = 2**14
+# Stop codes carried through the train step; the larger wins when processes disagree.
+STOP_NONE, STOP_CANCEL, STOP_PREEMPT = 0, 1, 2
+# Cosine decay ends at this fraction of the peak learning rate.
+END_LR_FRACTION = 0.1
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How (not what) a job trains; the what is the JobSpec."""
+
+    param_dtype: str = "float32"  # trained params and optimizer state
+    compute_dtype: str = "bfloat16"  # the forward and backward pass (and the frozen LoRA base)
+    sample_tokens: int = 48  # tokens generated per sample prompt
+    data_shards: int | None = None  # data shards of the job (a multiple of the process count); None: one each
+    cache_dir: Path | None = None  # where downloaded or converted files are kept
+
+
+class LossNotFinite(Exception):
+    def __init__(self, step: int, loss: float, what: str = "training loss") -> None:
+        super().__init__(f"the {what} became {loss} at step {step}")
+        self.step = step
+
+
+# --- Distributed setup, mesh and shardings ----------------------------------------------------------------
+
+
+def init_distributed() -> None:
+    """Join the job's JAX processes: from the environment off TPU, auto-detected on a multi-host TPU slice.
+
+    Must run before anything touches a JAX device.
+    """
+    if os.environ.get(ENV_COORDINATOR_ADDRESS):
+        count = int(os.environ.get(ENV_NUM_PROCESSES, "1"))
+        if count > 1:
+            # CPU processes exchange collectives over Gloo; TPUs and GPUs ignore this.
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            jax.distributed.initialize(
+                coordinator_address=os.environ[ENV_COORDINATOR_ADDRESS],
+                num_processes=count,
+                process_id=int(os.environ[ENV_PROCESS_ID]),
+            )
+    elif "," in os.environ.get("TPU_WORKER_HOSTNAMES", "") or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
+        jax.distributed.initialize()
+
+
+def make_mesh(slices: int) -> Mesh:
+    """("data", "fsdp") over all devices: data parallel across TPU slices, FSDP within one."""
+    devices = jax.devices()
+    data = slices if slices > 1 and len(devices) % slices == 0 else 1
+    shape = (data, len(devices) // data)
+    axis_types = (AxisType.Auto, AxisType.Auto)  # gemma's embedding lookup rejects Explicit axes
+    if data > 1 and hasattr(devices[0], "slice_index"):
+        grid = mesh_utils.create_hybrid_device_mesh((1, shape[1]), (data, 1), devices)
+        return Mesh(grid, MESH_AXES, axis_types=axis_types)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types)
+
+
+def fsdp_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """Shard the largest dimension divisible by the FSDP axis; replicate small or indivisible arrays."""
+    size = mesh.shape["fsdp"]
+    spec: list[str | None] = [None] * len(shape)
+    divisible = [axis for axis, dim in enumerate(shape) if dim % size == 0]
+    if size > 1 and math.prod(shape) >= MIN_SHARDED_SIZE and divisible:
+        spec[max(divisible, key=lambda axis: shape[axis])] = "fsdp"
+    return NamedSharding(mesh, P(*spec))
+
+
+def tree_shardings(mesh: Mesh, tree: Any) -> Any:
+    return jax.tree.map(lambda leaf: fsdp_sharding(mesh, tuple(leaf.shape)), tree)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P(MESH_AXES))
+
+
+def global_batch(local: Batch, sharding: NamedSharding) -> dict[str, jax.Array]:
+    """This process's rows of each array, assembled into the global batch."""
+    return {
+        name: jax.make_array_from_process_local_data(
+            sharding, rows, (rows.shape[0] * jax.process_count(), *rows.shape[1:])
+        )
+        for name, rows in local.items()
+    }
+
+
+def agree(value: int, reduce: Callable[[np.ndarray], Any]) -> int:
+    """`reduce` of one integer over all processes."""
+    if jax.process_count() == 1:
+        return value
+    return int(reduce(np.asarray(multihost_utils.process_allgather(np.int64(value)))))
+
+
+# --- Optimizer, loss and steps ----------------------------------------------------------------------------
+
+
+def make_optimizer(spec: JobSpec, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with linear warmup and cosine decay; decay skips vectors (norm scales); optional clipping."""
+    hyper = spec.hyperparameters
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=hyper.learning_rate,
+        warmup_steps=hyper.warmup_steps,
+        decay_steps=max(total_steps, hyper.warmup_steps + 1),
+        end_value=hyper.learning_rate * END_LR_FRACTION,
+    )
+    adamw = optax.adamw(
+        schedule,
+        weight_decay=hyper.weight_decay,
+        mask=lambda params: jax.tree.map(lambda x: x.ndim > 1, params),
+    )
+    if hyper.max_grad_norm is None:
+        return adamw, schedule
+    return optax.chain(optax.clip_by_global_norm(hyper.max_grad_norm), adamw), schedule
+
+
+def loss_sums(
+    model: gemma.Model, trained: Params, frozen: Params, batch: dict[str, jax.Array]
+) -> tuple[jax.Array, jax.Array]:
+    """(sum of token cross-entropies over `loss_mask`, number of those tokens)."""
+    logits = gemma.forward(model, trained, frozen, batch["tokens"], batch["segment_ids"], batch["positions"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    mask = batch["loss_mask"]
+    return jnp.sum(losses * mask), jnp.sum(mask)
+
+
+def microbatches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Array]:
+    """[B, ...] -> [count, B/count, ...]; microbatch j holds rows j, j+count, ... (no row moves device)."""
+    return {
+        name: x.reshape(x.shape[0] // count, count, *x.shape[1:]).swapaxes(0, 1) for name, x in batch.items()
+    }
+
+
+def make_train_step(
+    model: gemma.Model, optimizer: optax.GradientTransformation, schedule: optax.Schedule, accumulation: int
+) -> Callable:
+    """(state, frozen, batch, stop) -> (state, metrics): one optimizer step over the global batch.
+
+    Gradients of the loss *sums* are accumulated over microbatches and divided by the global count of
+    trained tokens once, so the step equals one without accumulation.
+    """
+
+    def train_step(state: Params, frozen: Params, batch: dict[str, jax.Array], stop: jax.Array) -> tuple:
+        params = state["params"]
+        grad_fn = jax.value_and_grad(lambda p, micro: loss_sums(model, p, frozen, micro), has_aux=True)
+
+        def accumulate(grads: Params, micro: dict[str, jax.Array]) -> tuple:
+            (loss_sum, count), micro_grads = grad_fn(params, micro)
+            return jax.tree.map(jnp.add, grads, micro_grads), (loss_sum, count)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        per_micro: tuple[jax.Array, jax.Array]
+        grads, per_micro = jax.lax.scan(accumulate, zeros, microbatches(batch, accumulation))
+        loss_sum, count = jnp.sum(per_micro[0]), jnp.sum(per_micro[1])
+        grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1.0), grads)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+        metrics = {
+            "loss": loss_sum / jnp.maximum(count, 1.0),
+            "tokens": count,
+            "grad_norm": optax.global_norm(grads),
+            "learning_rate": schedule(state["step"]),
+            "stop": jnp.max(stop),
+        }
+        new_state = {
+            "step": state["step"] + 1,
+            "params": optax.apply_updates(params, updates),
+            "opt_state": opt_state,
+        }
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(model: gemma.Model, accumulation: int) -> Callable:
+    """(params, frozen, batch) -> (loss sum, token count), in the same microbatches as training."""
+
+    def eval_step(params: Params, frozen: Params, batch: dict[str, jax.Array]) -> tuple:
+        def add(total: tuple, micro: dict[str, jax.Array]) -> tuple:
+            loss_sum, count = loss_sums(model, params, frozen, micro)
+            return (total[0] + loss_sum, total[1] + count), None
+
+        return jax.lax.scan(add, (0.0, 0.0), microbatches(batch, accumulation))[0]
+
+    return eval_step
+
+
+# --- Inputs -----------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(spec: JobSpec, options: RunOptions) -> Tokenizer:
+    """The job's tokenizer: `tokenizer_uri`, else the GGUF file's own, else the official Gemma 3 one."""
+    uri = spec.tokenizer_uri
+    if uri is None and spec.base_checkpoint_uri is not None and spec.base_checkpoint_uri.endswith(".gguf"):
+        from worker.gguf_import import GgufImportError, gguf_tokenizer_model
+
+        try:
+            uri = str(gguf_tokenizer_model(spec.base_checkpoint_uri, cache_dir=options.cache_dir))
+        except (GgufImportError, OSError) as error:
+            raise gemma.ModelError(
+                "bad_base_checkpoint", f"no tokenizer from the GGUF file: {error}"
+            ) from error
+    return Tokenizer.load(uri or OFFICIAL_TOKENIZER_URI, options.cache_dir)
+
+
+def load_data(
+    spec: JobSpec, tokenizer: Tokenizer, data_shards: int | None
+) -> tuple[TrainData, EvalData | None]:
+    """This process's data: shards [i*k, (i+1)*k) of `data_shards` (k per process; default one each)."""
+    count, index = jax.process_count(), jax.process_index()
+    shards = data_shards or count
+    if shards % count:
+        raise DataError("bad_data_shards", f"{shards} data shards do not split evenly over {count} processes")
+    per_process = shards // count
+    if per_process == 1:
+        return load_train_data(spec, tokenizer, index, count)
+    hyper = spec.hyperparameters
+    documents = read_documents(spec.dataset_uri)
+    validation = None
+    if spec.validation_uri is not None:
+        validation = read_documents(spec.validation_uri)
+    elif spec.validation_split is not None:
+        documents, validation = split_validation(documents, spec.validation_split, hyper.seed)
+    indices = list(range(index * per_process, (index + 1) * per_process))
+    args = (tokenizer, hyper.max_seq_len, hyper.batch_size, hyper.seed, indices, shards)
+    return TrainData(documents, *args), None if validation is None else EvalData(validation, *args)
+
+
+# --- The run ----------------------------------------------------------------------------------------------
+
+
+def _every(interval: int | None, step: int) -> bool:
+    return interval is not None and step % interval == 0
+
+
+class StopSignals:
+    """While installed, SIGTERM (and Ctrl-C) asks the run to stop after the current step with a checkpoint."""
+
+    def __init__(self) -> None:
+        self.preempted = threading.Event()
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, lambda *_: self.preempted.set())
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def run(config: WorkerConfig, reporter: Reporter, options: RunOptions | None = None) -> int:
+    """Train the job; returns the process exit code. Errors are reported before returning."""
+    try:
+        with StopSignals() as signals:
+            return _Run(config, reporter, options or RunOptions(), signals).execute()
+    except (DataError, gemma.ModelError) as error:
+        code, message, step, exit_code = error.code, error.message, 0, EXIT_BAD_INPUT
+    except TokenizerError as error:
+        code, message, step, exit_code = "bad_tokenizer", str(error), 0, EXIT_BAD_INPUT
+    except LossNotFinite as error:
+        advice = "lower the learning rate or check the data and base weights"
+        code, message, step, exit_code = "loss_not_finite", f"{error}; {advice}", error.step, EXIT_FAILED
+    except Exception as error:
+        log.exception("the run failed")
+        code, message, step, exit_code = "internal_error", f"{type(error).__name__}: {error}", 0, EXIT_FAILED
+    log.error("%s: %s", code, message)
+    reporter.send(ErrorReport(step=step, code=code, message=message[:4000]))
+    return exit_code
+
+
+class _Run:
+    """One attempt at a job: set up, resume if a checkpoint exists, train, export."""
+
+    def __init__(self, config: WorkerConfig, reporter: Reporter, options: RunOptions, signals: StopSignals):
+        self.config = config
+        self.spec = config.spec
+        self.hyper = config.spec.hyperparameters
+        self.reporter = reporter
+        self.options = options
+        self.signals = signals
+        self.trained_tokens = 0
+        self.last_loss: float | None = None
+        self.last_eval: tuple[int, float] | None = None
+
+    def status(self, message: str, phase: Any = None, step: int = 0) -> None:
+        log.info("%s", message)
+        self.reporter.send(StatusReport(step=step, phase=phase, message=message))
+
+    def execute(self) -> int:
+        spec, hyper = self.spec, self.hyper
+        self.status("loading the tokenizer and data", "loading")
+        self.tokenizer = load_tokenizer(spec, self.options)
+        self.train_data, self.eval_data = load_data(spec, self.tokenizer, self.options.data_shards)
+        steps_per_epoch = agree(self.train_data.local_steps_per_epoch, np.min)
+        self.train_data.use_steps_per_epoch(steps_per_epoch)
+        epoch_steps = hyper.epochs * steps_per_epoch
+        self.total_steps = epoch_steps if hyper.max_steps is None else min(hyper.max_steps, epoch_steps)
+        self.eval_batches = agree(self.eval_data.num_batches, np.max) if self.eval_data else 0
+
+        self.mesh = make_mesh(spec.resources.slices)
+        devices = self.mesh.size
+        if hyper.batch_size % (devices * hyper.gradient_accumulation_steps):
+            raise DataError(
+                "batch_size_not_divisible",
+                f"batch_size {hyper.batch_size} must be a multiple of {devices} devices times "
+                f"{hyper.gradient_accumulation_steps} gradient accumulation steps",
+            )
+        self.model = gemma.build_model(
+            spec.model,
+            self.tokenizer.vocab_size,
+            lora_rank=spec.method.lora_rank if spec.method.type == "lora" else None,
+            param_dtype=jnp.dtype(self.options.param_dtype),
+            compute_dtype=jnp.dtype(self.options.compute_dtype),
+        )
+        self.optimizer, schedule = make_optimizer(spec, self.total_steps)
+        self.checkpoints = Checkpoints(self.config.output_uri, hyper.keep_checkpoints)
+        try:
+            return self._train(schedule)
+        finally:
+            self.checkpoints.close()
+
+    def _setup_state(self) -> tuple[Params, Params, int]:
+        """(state, frozen params, first step): from the latest checkpoint, else from the base weights."""
+        abstract_trained, abstract_frozen = self.model.abstract_params()
+        shardings = (tree_shardings(self.mesh, abstract_trained), tree_shardings(self.mesh, abstract_frozen))
+
+        def new_state(params: Params) -> Params:
+            return {
+                "step": jnp.zeros((), jnp.int32),
+                "params": params,
+                "opt_state": self.optimizer.init(params),
+            }
+
+        abstract_state = jax.eval_shape(new_state, abstract_trained)
+        self.state_shardings = tree_shardings(self.mesh, abstract_state)
+        latest = self.checkpoints.latest_step()
+        if latest is None:
+            trained, frozen = self._initial_params(shardings)
+            state = jax.jit(new_state, out_shardings=self.state_shardings, donate_argnums=0)(trained)
+            return state, frozen, 0
+        # A resumed full fine-tune takes all its weights from the checkpoint; LoRA still needs the base.
+        frozen = self._initial_params(shardings)[1] if self.model.lora_rank is not None else {}
+        abstract = jax.tree.map(
+            lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+            abstract_state,
+            self.state_shardings,
+        )
+        state, position = self.checkpoints.restore(latest, abstract)
+        self.trained_tokens, self.last_loss = int(position.get("trained_tokens", 0)), position.get("loss")
+        self.status(f"resumed from the checkpoint at step {latest}", "loading", step=latest)
+        return state, frozen, latest
+
+    def _initial_params(self, shardings: tuple[Any, Any]) -> tuple[Params, Params]:
+        """(trained, frozen) before training: the base weights, or a fresh adapter on the frozen base."""
+        self.status(f"loading the base weights of {self.spec.model}", "loading")
+        seed = self.hyper.seed
+        if self.spec.model == TINY_MODEL and self.spec.base_checkpoint_uri is None:
+            return self.model.init_params(seed, shardings)
+        trained_shardings, frozen_shardings = shardings
+        cache_dir = self.options.cache_dir
+        if self.model.lora_rank is None:
+            return gemma.load_base_params(self.spec, self.model, trained_shardings, cache_dir), {}
+        base = gemma.load_base_params(self.spec, self.model, frozen_shardings, cache_dir)
+        return self.model.init_lora(seed, trained_shardings), base
+
+    def _train(self, schedule: optax.Schedule) -> int:
+        hyper = self.hyper
+        state, frozen, start = self._setup_state()
+        rows = batch_sharding(self.mesh)
+        self.status("compiling the train step", "compiling", step=start)
+        local = self.train_data.batch(start)
+        abstract_batch = {
+            name: jax.ShapeDtypeStruct(
+                (x.shape[0] * jax.process_count(), *x.shape[1:]), x.dtype, sharding=rows
+            )
+            for name, x in local.items()
+        }
+        stop_abstract = jax.ShapeDtypeStruct((self.mesh.size,), jnp.int32, sharding=rows)
+        replicated = NamedSharding(self.mesh, P())
+        step_fn = (
+            jax.jit(
+                make_train_step(self.model, self.optimizer, schedule, hyper.gradient_accumulation_steps),
+                out_shardings=(self.state_shardings, replicated),
+                donate_argnums=0,
+            )
+            .lower(state, frozen, abstract_batch, stop_abstract)
+            .compile()
+        )
+        self.eval_fn = jax.jit(
+            make_eval_step(self.model, hyper.gradient_accumulation_steps), out_shardings=replicated
+        )
+        self.generate = gemma.make_generate(
+            self.model, replicated, self.options.sample_tokens, self._stop_tokens()
+        )
+        if start == 0:
+            self._sample(state, frozen, "before", 0)
+
+        self.status(
+            f"training for {self.total_steps - start} of {self.total_steps} steps", "training", step=start
+        )
+        started = time.monotonic()
+        self._clock: tuple[float, float | None] = (started, None)
+        pending: tuple[int, dict[str, jax.Array]] | None = None
+        stop = STOP_NONE
+        step = start
+        while step < self.total_steps and stop == STOP_NONE:
+            batch = global_batch(self.train_data.batch(step), rows)
+            state, metrics = step_fn(state, frozen, batch, self._stop_flags(rows))
+            if pending is not None:
+                stop = self._record(*pending)
+            pending = (step, metrics)
+            step += 1
+            checkpoint_due = _every(hyper.checkpoint_every_steps, step)
+            eval_due = self.eval_data is not None and _every(hyper.eval_every_steps, step)
+            if stop != STOP_NONE or step == self.total_steps or not (checkpoint_due or eval_due):
+                continue
+            # Read this step's metrics now, so its checkpoint report carries them.
+            stop, pending = self._record(*pending), None
+            if stop == STOP_NONE and eval_due:
+                self._evaluate(state, frozen, step)
+            if stop == STOP_NONE and checkpoint_due:
+                self._save(state, step)
+        if pending is not None:
+            stop = max(stop, self._record(*pending))
+        train_seconds = time.monotonic() - started
+
+        if stop != STOP_NONE:
+            self._save(state, step)
+            if stop == STOP_PREEMPT:
+                self.status(
+                    f"stopped at step {step} on SIGTERM; the checkpoint there resumes the run", step=step
+                )
+                return EXIT_PREEMPTED
+            self.status(f"cancelled by the user at step {step}; a checkpoint was saved", step=step)
+            return EXIT_OK
+
+        eval_loss = self._evaluate(state, frozen, step) if self.eval_data else None
+        if self.checkpoints.latest_step() != step:
+            self._save(state, step, eval_loss)
+        output = self._export(state, frozen, step)
+        self._sample(state, frozen, "after", step)
+        self.reporter.send(
+            ResultReport(
+                step=step,
+                output_uri=output,
+                loss=self.last_loss,
+                eval_loss=eval_loss,
+                trained_tokens=self.trained_tokens,
+                train_seconds=train_seconds,
+            )
+        )
+        return EXIT_OK
+
+    def _stop_flags(self, sharding: NamedSharding) -> jax.Array:
+        if self.signals.preempted.is_set():
+            flag = STOP_PREEMPT
+        elif self.reporter.cancel_requested:
+            flag = STOP_CANCEL
+        else:
+            flag = STOP_NONE
+        local = np.full(jax.local_device_count(), flag, dtype=np.int32)
+        return jax.make_array_from_process_local_data(sharding, local, (self.mesh.size,))
+
+    def _record(self, step: int, metrics: dict[str, jax.Array]) -> int:
+        """Read one step's metrics (blocking until it is done), report them; returns the stop code."""
+        values = {name: float(value) for name, value in jax.device_get(metrics).items()}
+        if not math.isfinite(values["loss"]):
+            raise LossNotFinite(step + 1, values["loss"])
+        now = time.monotonic()
+        last_time, step_seconds = self._clock
+        elapsed = now - last_time
+        # A smoothed step time for the ETA: steps vary with packing and host noise.
+        step_seconds = elapsed if step_seconds is None else 0.9 * step_seconds + 0.1 * elapsed
+        self._clock = (now, step_seconds)
+        self.trained_tokens += int(values["tokens"])
+        self.last_loss = values["loss"]
+        self.reporter.send(
+            MetricsReport(
+                step=step + 1,
+                total_steps=self.total_steps,
+                epoch=(step + 1) / self.train_data.steps_per_epoch,
+                loss=values["loss"],
+                learning_rate=values["learning_rate"],
+                grad_norm=values["grad_norm"],
+                tokens_per_second=values["tokens"] / elapsed if elapsed > 0 else None,
+                trained_tokens=self.trained_tokens,
+                eta_seconds=max(0.0, (self.total_steps - step - 1) * step_seconds),
+            )
+        )
+        return int(values["stop"])
+
+    def _evaluate(self, state: Params, frozen: Params, step: int) -> float:
+        assert self.eval_data is not None
+        rows = batch_sharding(self.mesh)
+        total, count = 0.0, 0.0
+        for local in self.eval_data.eval_batches(self.eval_batches):
+            loss_sum, tokens = self.eval_fn(state["params"], frozen, global_batch(local, rows))
+            total, count = total + float(loss_sum), count + float(tokens)
+        eval_loss = total / max(count, 1.0)
+        if not math.isfinite(eval_loss):
+            raise LossNotFinite(step, eval_loss, "eval loss")
+        self.last_eval = (step, eval_loss)
+        self.reporter.send(EvalReport(step=step, eval_loss=eval_loss, eval_tokens=int(count)))
+        return eval_loss
+
+    def _save(self, state: Params, step: int, eval_loss: float | None = None) -> None:
+        position = {
+            **self.train_data.position(step),
+            "trained_tokens": self.trained_tokens,
+            "loss": self.last_loss,
+        }
+        self.checkpoints.save(step, state, position)
+        if eval_loss is None and self.last_eval is not None and self.last_eval[0] == step:
+            eval_loss = self.last_eval[1]
+        self.reporter.send(
+            CheckpointReport(
+                step=step, uri=self.checkpoints.uri(step), loss=self.last_loss, eval_loss=eval_loss
+            )
+        )
+
+    def _export(self, state: Params, frozen: Params, step: int) -> str:
+        """Write the final weights under `{output_uri}/final`; returns that URI."""
+        self.status("exporting the final weights", "exporting", step=step)
+        final = join(self.config.output_uri, "final")
+        method = self.spec.method
+        exported: dict[str, str] = {}
+        # Exported in the compute dtype, as the official checkpoints are.
+        cast = jax.jit(lambda tree: jax.tree.map(lambda x: x.astype(self.model.compute_dtype), tree))
+        if method.type == "lora":
+            export_params(cast(state["params"]), join(final, "adapter"))
+            exported["adapter"] = join(final, "adapter")
+            if method.export_merged:
+                merged = jax.jit(gemma.merge_lora)(frozen, state["params"])
+                export_params(cast(merged), join(final, "params"))
+                exported["params"] = join(final, "params")
+        else:
+            export_params(cast(state["params"]), join(final, "params"))
+            exported["params"] = join(final, "params")
+        if jax.process_index() == 0:
+            write_json(
+                join(final, "export.json"),
+                {
+                    "job_id": self.config.job_id,
+                    "model": self.spec.model,
+                    "method": method.model_dump(),
+                    "step": step,
+                    "tokenizer_uri": self.spec.tokenizer_uri,
+                    "base_checkpoint_uri": self.spec.base_checkpoint_uri,
+                    "dtype": str(jnp.dtype(self.model.compute_dtype)),
+                    **exported,
+                },
+            )
+        return final
+
+    def _stop_tokens(self) -> tuple[int, ...]:
+        if self.spec.model.endswith("-it"):
+            return (self.tokenizer.eos_id, self.tokenizer.end_of_turn_id)
+        return (self.tokenizer.eos_id,)
+
+    def _sample(self, state: Params, frozen: Params, phase: Any, step: int) -> None:
+        prompts = self.spec.sample_prompts
+        if not prompts:
+            return
+        texts = gemma.sample_texts(
+            self.generate,
+            state["params"],
+            frozen,
+            self.tokenizer,
+            prompts,
+            self.options.sample_tokens,
+            chat=self.spec.model.endswith("-it"),
+        )
+        for index, (prompt, text) in enumerate(zip(prompts, texts, strict=True)):
+            self.reporter.send(SampleReport(step=step, key=str(index), phase=phase, prompt=prompt, text=text))
