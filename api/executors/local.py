@@ -110,6 +110,8 @@ class LocalExecutor:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        # Jobs of the same shape reuse compiled steps: a restart or the next job starts in seconds.
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", str(self.settings.data_dir / "jax-cache"))
         command = [
             sys.executable,
             "-m",

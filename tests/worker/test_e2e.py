@@ -1,0 +1,121 @@
+"""End to end: the API's local executor runs the real worker (tiny Gemma 3 on CPU) through the job's
+life, and the job's loss history and checkpoints land where the API says."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+FINAL = ("succeeded", "failed", "cancelled")
+WORKER = f"{shlex.quote(sys.executable)} -m worker --compute-dtype float32 --sample-tokens 4"
+
+
+def submit(api, corpus: Path, tokenizer: Path, steps: int, **extra: object) -> str:  # type: ignore[no-untyped-def]
+    body = {
+        "name": "e2e",
+        "model": "tiny",
+        "tokenizer_uri": str(tokenizer),
+        "dataset_uri": str(corpus),
+        "validation_split": 0.05,
+        "hyperparameters": {
+            "max_steps": steps,
+            "batch_size": 8,
+            "max_seq_len": 64,
+            "learning_rate": 3e-3,
+            "warmup_steps": 2,
+            "eval_every_steps": steps // 2,
+            "checkpoint_every_steps": steps // 2,
+        },
+        "sample_prompts": ["Once upon a time"],
+        **extra,
+    }
+    with api.client() as http:
+        response = http.post("/jobs", json=body)
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+@pytest.fixture
+def database_url(tmp_path: Path) -> str:
+    """SQLite only: the API's database behaviour is covered on both kinds elsewhere."""
+    from api.migrate import upgrade
+
+    url = f"sqlite:///{tmp_path / 'tputune.db'}"
+    upgrade(url)
+    return url
+
+
+@pytest.fixture
+def worker_api(live_api, story_corpus: Path, tiny_tokenizer_path: Path):  # type: ignore[no-untyped-def]
+    def start(**overrides: object):  # type: ignore[no-untyped-def]
+        roots = [story_corpus.parent, tiny_tokenizer_path.parent]
+        return live_api(worker_command=WORKER, allowed_data_roots=roots, cancel_grace_seconds=60, **overrides)
+
+    return start
+
+
+def test_real_worker_job_succeeds_with_history_and_checkpoints(  # type: ignore[no-untyped-def]
+    worker_api, story_corpus: Path, tiny_tokenizer_path: Path
+) -> None:
+    api = worker_api()
+    job_id = submit(api, story_corpus, tiny_tokenizer_path, steps=12)
+    job = api.wait_for(job_id, lambda j: j["status"] in FINAL, timeout=280)
+    assert job["status"] == "succeeded", job
+    assert job["progress"]["step"] == 12 and job["progress"]["total_steps"] == 12
+    assert job["trained_tokens"] > 0 and job["metrics"]["eval_loss"] is not None
+    with api.client() as http:
+        points = http.get(f"/jobs/{job_id}/metrics").json()["data"]
+        checkpoints = http.get(f"/jobs/{job_id}/checkpoints").json()["data"]
+        samples = http.get(f"/jobs/{job_id}/events", params={"type": "sample"}).json()["data"]
+    steps = [p["step"] for p in points if p["loss"] is not None]
+    assert steps == list(range(1, 13))
+    assert points[-1]["loss"] < points[0]["loss"]
+    assert [c["step"] for c in checkpoints][-1] == 12
+    for checkpoint in checkpoints:
+        assert Path(checkpoint["uri"]).exists(), checkpoint
+    assert {s["data"]["phase"] for s in samples} == {"before", "after"}
+    assert (Path(job["output_uri"]) / "final").exists()
+
+
+def test_training_survives_the_api_being_down(  # type: ignore[no-untyped-def]
+    worker_api, story_corpus: Path, tiny_tokenizer_path: Path
+) -> None:
+    api = worker_api()
+    job_id = submit(api, story_corpus, tiny_tokenizer_path, steps=40)
+    api.wait_for(job_id, lambda j: j["progress"]["step"] >= 2, timeout=240)
+    api.stop()
+    time.sleep(6)  # the worker trains on, keeping its reports
+    api.start()
+    job = api.wait_for(job_id, lambda j: j["status"] in FINAL, timeout=240)
+    assert job["status"] == "succeeded", job
+    with api.client() as http:
+        points = http.get(f"/jobs/{job_id}/metrics").json()["data"]
+    assert [p["step"] for p in points if p["loss"] is not None] == list(range(1, 41))  # nothing lost
+
+
+def test_cancel_stops_the_real_worker_with_a_checkpoint(  # type: ignore[no-untyped-def]
+    worker_api, story_corpus: Path, tiny_tokenizer_path: Path
+) -> None:
+    api = worker_api()
+    job_id = submit(api, story_corpus, tiny_tokenizer_path, steps=400)
+    api.wait_for(job_id, lambda j: j["progress"]["step"] >= 3, timeout=240)
+    with api.client() as http:
+        http.post(f"/jobs/{job_id}/cancel")
+    job = api.wait_for(job_id, lambda j: j["status"] in FINAL, timeout=120)
+    assert job["status"] == "cancelled"
+    assert list((Path(job["output_uri"]) / "checkpoints").iterdir())  # it saved its state on the way out
+
+
+def test_two_local_processes(worker_api, story_corpus: Path, tiny_tokenizer_path: Path) -> None:  # type: ignore[no-untyped-def]
+    api = worker_api()
+    job_id = submit(api, story_corpus, tiny_tokenizer_path, steps=6, resources={"processes": 2})
+    job = api.wait_for(job_id, lambda j: j["status"] in FINAL, timeout=280)
+    assert job["status"] == "succeeded", job
+    assert (api.settings.jobs_dir / job_id / "worker-1.log").exists()
+    assert job["progress"]["step"] == 6
