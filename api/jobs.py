@@ -61,6 +61,8 @@ def _request_hash(spec: JobSpec) -> str:
 
 
 def default_output_uri(settings: Settings, job_id: str) -> str:
+    if settings.executor == "kubernetes" and settings.k8s_output_base_uri:
+        return f"{settings.k8s_output_base_uri.rstrip('/')}/{job_id}"
     return str(settings.jobs_dir / job_id / "output")
 
 
@@ -349,7 +351,9 @@ def ingest_progress(session: Session, job: Job, batch: ProgressBatch) -> Progres
     if fresh and job.status == JobStatus.starting:
         session.refresh(job)
         if job.status == JobStatus.starting:
-            transition(session, job, JobStatus.running, "Training.")
+            # Keep the worker's own status message (e.g. "Compiling") if the batch brought one.
+            message = None if "status_message" in values else "The worker is running."
+            transition(session, job, JobStatus.running, message)
     return ProgressAck(
         accepted=len(inserted), duplicates=len(batch.reports) - len(inserted), job_status=job.status
     )

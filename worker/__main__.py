@@ -19,7 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, required=True, help="the WorkerConfig JSON file")
     parser.add_argument("--param-dtype", default="float32", help="dtype of the trained params and optimizer")
-    parser.add_argument("--compute-dtype", default="bfloat16", help="dtype of the forward and backward pass")
+    parser.add_argument(
+        "--compute-dtype",
+        default="auto",
+        help="dtype of the forward and backward pass (auto: bfloat16 on TPU/GPU, float32 on CPU)",
+    )
     parser.add_argument("--sample-tokens", type=int, default=48, help="tokens generated per sample prompt")
     parser.add_argument(
         "--data-shards", type=int, default=None, help="data shards of the job (default: one per process)"

@@ -85,7 +85,7 @@ class RunOptions:
     """How (not what) a job trains; the what is the JobSpec."""
 
     param_dtype: str = "float32"  # trained params and optimizer state
-    compute_dtype: str = "bfloat16"  # the forward and backward pass (and the frozen LoRA base)
+    compute_dtype: str = "auto"  # the forward and backward pass (and the frozen LoRA base); see resolve
     sample_tokens: int = 48  # tokens generated per sample prompt
     data_shards: int | None = None  # data shards of the job (a multiple of the process count); None: one each
     cache_dir: Path | None = None  # where downloaded or converted files are kept
@@ -98,6 +98,13 @@ class LossNotFinite(Exception):
 
 
 # --- Distributed setup, mesh and shardings ----------------------------------------------------------------
+
+
+def resolve_compute_dtype(name: str) -> str:
+    """`auto`: bfloat16 on accelerators, float32 on CPU (where XLA runs bfloat16 matmuls slower)."""
+    if name != "auto":
+        return name
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
 def init_distributed() -> None:
@@ -387,7 +394,7 @@ class _Run:
             self.tokenizer.vocab_size,
             lora_rank=spec.method.lora_rank if spec.method.type == "lora" else None,
             param_dtype=jnp.dtype(self.options.param_dtype),
-            compute_dtype=jnp.dtype(self.options.compute_dtype),
+            compute_dtype=jnp.dtype(resolve_compute_dtype(self.options.compute_dtype)),
         )
         self.optimizer, schedule = make_optimizer(spec, self.total_steps)
         self.checkpoints = Checkpoints(self.config.output_uri, hyper.keep_checkpoints)
@@ -471,6 +478,8 @@ class _Run:
         )
         if start == 0:
             self._sample(state, frozen, "before", 0)
+            if self.eval_data is not None and hyper.eval_every_steps is not None:
+                self._evaluate(state, frozen, 0)  # the baseline every later eval loss is read against
 
         self.status(
             f"training for {self.total_steps - start} of {self.total_steps} steps", "training", step=start
