@@ -380,7 +380,7 @@ def parser() -> argparse.ArgumentParser:
     p = commands.add_parser("demo", help="fine-tune Gemma 3 270M on generated stories, end to end")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--keep-running", action="store_true", help="leave the API running at the end")
+    p.add_argument("--stop-server", action="store_true", help="stop the API at the end (default: keep it up)")
     p.set_defaults(func=demo)
     return root
 

@@ -90,10 +90,12 @@ class Client:
     def cancel_job(self, job_id: str) -> dict[str, Any]:
         return self._request("POST", f"/jobs/{job_id}/cancel")
 
-    def events(self, job_id: str, after: int | None = None, limit: int = 100) -> dict[str, Any]:
-        params: dict[str, int] = {"limit": limit}
+    def events(
+        self, job_id: str, after: int | None = None, limit: int = 100, types: list[str] | None = None
+    ) -> dict[str, Any]:
+        params: list[tuple[str, str | int]] = [("limit", limit), *(("type", t) for t in types or [])]
         if after is not None:
-            params["after"] = after
+            params.append(("after", after))
         return self._request("GET", f"/jobs/{job_id}/events", params=params)
 
     def metrics(self, job_id: str) -> dict[str, Any]:
