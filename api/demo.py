@@ -25,7 +25,7 @@ from api.settings import Settings
 from worker.config import DEFAULT_SAMPLE_PROMPT
 
 DEMO_STORIES = 1200
-DEMO_STEPS = 30
+DEMO_STEPS = 24
 
 
 def demo_spec(dataset: Path, gguf: Path, steps: int) -> dict[str, Any]:

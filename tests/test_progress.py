@@ -140,3 +140,20 @@ def test_cancelling_is_visible_to_the_worker(client: TestClient, dataset: Path) 
     post(client, job_id, token, [metrics(1, 1.0)])
     assert client.post(f"/jobs/{job_id}/cancel").json()["status"] == "cancelling"
     assert post(client, job_id, token, [metrics(2, 1.0)]).json()["job_status"] == "cancelling"
+
+
+def test_status_messages_at_one_step_each_count(client: TestClient, dataset: Path) -> None:
+    job_id, token = started_job(client, dataset)
+    post(
+        client,
+        job_id,
+        token,
+        [{"kind": "status", "key": "loading-1", "phase": "loading", "message": "Loading."}],
+    )
+    post(
+        client,
+        job_id,
+        token,
+        [{"kind": "status", "key": "compiling-2", "phase": "compiling", "message": "Compiling."}],
+    )
+    assert client.get(f"/jobs/{job_id}").json()["status_message"] == "Compiling."

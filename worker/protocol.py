@@ -9,7 +9,8 @@ the batch can never succeed. The response is `{"accepted": n, "duplicates": m, "
 
 Kinds:
 - `status`:     a phase change or message (`message`, optional `phase` in loading|compiling|training|
-                evaluating|saving|exporting). The first report of any kind moves the job to `running`.
+                evaluating|saving|exporting); give each message at one step its own `key`, or it is
+                taken for a retry of the first. The first report of any kind moves the job to `running`.
 - `metrics`:    one training step's figures; the job's latest metrics and progress follow the
                 highest step received.
 - `eval`:       an eval loss at a step.

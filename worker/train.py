@@ -365,10 +365,14 @@ class _Run:
         self.trained_tokens = 0
         self.last_loss: float | None = None
         self.last_eval: tuple[int, float] | None = None
+        self.status_count = 0
 
     def status(self, message: str, phase: Any = None, step: int = 0) -> None:
         log.info("%s", message)
-        self.reporter.send(StatusReport(step=step, phase=phase, message=message))
+        # Several messages can share a step: the key keeps each one (the API stores one per kind/step/key).
+        self.status_count += 1
+        key = f"{phase or 'note'}-{self.status_count}"
+        self.reporter.send(StatusReport(step=step, phase=phase, message=message, key=key))
 
     def execute(self) -> int:
         spec, hyper = self.spec, self.hyper
