@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy.engine import Engine
@@ -13,7 +14,7 @@ from sqlmodel import Session, col, func, select
 from api import jobs as service
 from api.datasets import DatasetUnavailable, StorageUnreachable, check_dataset
 from api.db import session_scope
-from api.executors import Executor, Observation
+from api.executors import Executor, ExecutorUnavailable, Observation
 from api.models import Job, utcnow
 from api.observability import Metrics, job_id_var
 from api.settings import Settings
@@ -27,9 +28,18 @@ BATCH = 20
 
 class Dispatcher:
     def __init__(
-        self, engine: Engine, executor: Executor, settings: Settings, metrics: Metrics | None = None
+        self,
+        engine: Engine,
+        executor: Executor,
+        settings: Settings,
+        metrics: Metrics | None = None,
+        is_leader: Callable[[], bool] | None = None,
     ) -> None:
         self.engine = engine
+        # With several API replicas only the Lease holder may move jobs (None: this process is alone).
+        self.is_leader = is_leader
+        # The pending reason each job's status message shows, to put back a normal one once it runs.
+        self._pending_notes: dict[str, str] = {}
         self.metrics = metrics
         self.executor = executor
         self.settings = settings
@@ -63,11 +73,17 @@ class Dispatcher:
             self._wake.clear()
 
     def tick(self) -> None:
+        if self.is_leader is not None and not self.is_leader():
+            return
         with session_scope(self.engine) as session:
-            for job in self._jobs(session, [JobStatus.queued]):
-                self._guard(session, job, self._claim)
-            for job in self._jobs(session, [JobStatus.starting, JobStatus.running, JobStatus.cancelling]):
-                self._guard(session, job, self._follow)
+            try:
+                for job in self._jobs(session, [JobStatus.queued]):
+                    self._guard(session, job, self._claim)
+                for job in self._jobs(session, [JobStatus.starting, JobStatus.running, JobStatus.cancelling]):
+                    self._guard(session, job, self._follow)
+            except ExecutorUnavailable as exc:
+                # Every other job would wait on it too: end this pass, the next one retries.
+                log.warning("%s; retrying on the next pass", exc)
         if self.metrics is not None:
             self.metrics.last_pass.set_to_current_time()
 
@@ -79,6 +95,11 @@ class Dispatcher:
         token = job_id_var.set(job.id)
         try:
             step(session, job)
+        except ExecutorUnavailable as exc:
+            session.rollback()
+            if job.launched_at is None:  # the launch waits on it: say so
+                self._note(session, job, f"{exc}; retrying.")
+            raise
         except Exception:
             session.rollback()
             log.exception("job %s: dispatcher step failed; it will be retried", job.id)
@@ -158,10 +179,19 @@ class Dispatcher:
             session.commit()
 
     def _reconcile(self, session: Session, job: Job, seen: Observation) -> None:
+        if seen.restarts > job.restarts:
+            self._restarted(session, job, seen)
+        waited = self._pending_notes.pop(job.id, None) if seen.state != "pending" else None
         if seen.state == "pending":
-            self._note(session, job, seen.reason or "Waiting for resources.")
+            self._pending(session, job, seen.reason or "Waiting for resources.")
         elif seen.state == "running":
-            return
+            if waited is not None and job.status_message == waited:
+                running = job.status == JobStatus.running
+                self._note(
+                    session,
+                    job,
+                    "The worker is running." if running else "Workers started; waiting for the first report.",
+                )
         elif seen.state == "gone":
             message = seen.reason or "The workers disappeared."
             service.transition(
@@ -172,9 +202,30 @@ class Dispatcher:
         elif seen.exit_code == EXIT_PREEMPTED:
             self._restart(session, job)
         else:
-            self._fail(session, job, seen.exit_code)
+            self._fail(session, job, seen.exit_code, seen.reason)
 
-    def _fail(self, session: Session, job: Job, exit_code: int | None) -> None:
+    def _pending(self, session: Session, job: Job, reason: str) -> None:
+        """Show why the run waits, in the status message and (once per reason) as an event."""
+        self._pending_notes[job.id] = reason
+        if job.status_message == reason:
+            return
+        job.status_message = reason
+        session.add(job)
+        service.add_event(session, job, "warning", reason, level="warn", data={"waiting": True})
+        session.commit()
+
+    def _restarted(self, session: Session, job: Job, seen: Observation) -> None:
+        """The platform restarted the workers itself (a JobSet after a failure or a preemption)."""
+        job.restarts = seen.restarts
+        cause = f": {seen.restart_reason}" if seen.restart_reason else ""
+        job.status_message = (
+            f"The workers restarted (restart {job.restarts}){cause}; they resume from the last checkpoint."
+        )
+        session.add(job)
+        service.add_event(session, job, "restart", job.status_message, data={"restarts": job.restarts})
+        session.commit()
+
+    def _fail(self, session: Session, job: Job, exit_code: int | None, reason: str | None = None) -> None:
         if job.error_code:
             code, message = job.error_code, job.error_message or ""
         elif exit_code == EXIT_BAD_INPUT:
@@ -183,7 +234,7 @@ class Dispatcher:
             code = "worker_failed"
             lines, _ = self.executor.logs(job, 5)
             tail = " | ".join(line.strip() for line in lines if line.strip())[-1500:]
-            message = f"The worker exited with status {exit_code}." + (
+            message = (reason or f"The worker exited with status {exit_code}.") + (
                 f" Last log lines: {tail}" if tail else ""
             )
         service.transition(session, job, JobStatus.failed, message, error_code=code, error_message=message)

@@ -311,13 +311,15 @@ def _insert_ignore(session: Session, rows: list[dict[str, Any]]) -> set[str]:
     """Insert event rows, skipping ones whose dedupe key exists; returns the keys inserted."""
     dialect = session.get_bind().dialect.name
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    # The rows are parameters of one statement that SQLAlchemy compiles once and caches (it still sends
+    # them as multi-row INSERTs); `.values(rows)` made each batch a new statement to build and compile.
+    table = JobEvent.__table__  # type: ignore[attr-defined]
     statement = (
-        insert(JobEvent)
-        .values(rows)
+        insert(table)
         .on_conflict_do_nothing(index_elements=["job_seq", "dedupe_key"])
-        .returning(col(JobEvent.dedupe_key))
+        .returning(table.c.dedupe_key)
     )
-    return {row[0] for row in session.execute(statement)}
+    return {row[0] for row in session.execute(statement, rows)}
 
 
 def ingest_progress(session: Session, job: Job, batch: ProgressBatch) -> ProgressAck:
@@ -346,14 +348,16 @@ def ingest_progress(session: Session, job: Job, batch: ProgressBatch) -> Progres
     values = _aggregate(job, fresh)
     if values:
         values["updated_at"] = now
-        session.execute(update(Job).where(col(Job.seq) == job.seq).values(**values))
+        # A Core UPDATE: the ORM one also re-evaluated it against the objects in the session, for nothing.
+        jobs = Job.__table__  # type: ignore[attr-defined]
+        session.execute(update(jobs).where(jobs.c.seq == job.seq).values(**values))
     session.commit()
     if fresh and job.status == JobStatus.starting:
         session.refresh(job)
         if job.status == JobStatus.starting:
             # Keep the worker's own status message (e.g. "Compiling") if the batch brought one.
-            message = None if "status_message" in values else "The worker is running."
-            transition(session, job, JobStatus.running, message)
+            note = None if "status_message" in values else "The worker is running."
+            transition(session, job, JobStatus.running, note)
     return ProgressAck(
         accepted=len(inserted), duplicates=len(batch.reports) - len(inserted), job_status=job.status
     )

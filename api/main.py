@@ -14,7 +14,7 @@ from api import errors
 from api.auth import Authenticator
 from api.db import make_engine
 from api.dispatcher import Dispatcher
-from api.executors import make_executor
+from api.executors import Closeable, make_executor
 from api.observability import Metrics, RequestContext
 from api.routes import dashboard, health, jobs, keys
 from api.settings import Settings
@@ -89,10 +89,23 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
     engine = engine or make_engine(settings.resolved_database_url)
     executor = make_executor(settings)
     metrics = Metrics(engine)
-    dispatcher = Dispatcher(engine, executor, settings, metrics) if settings.dispatcher_enabled else None
+    leader = None
+    if settings.dispatcher_enabled and settings.executor == "kubernetes":
+        from api.leader import make_leader  # imports the Kubernetes client, which local use never needs
+
+        leader = make_leader(settings)
+    dispatcher = (
+        Dispatcher(engine, executor, settings, metrics, is_leader=leader.is_leader if leader else None)
+        if settings.dispatcher_enabled
+        else None
+    )
+    if leader is not None and dispatcher is not None:
+        leader.on_change = lambda _leading: dispatcher.wake()  # a new leader takes over at once
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if leader is not None:
+            leader.start()
         if dispatcher is not None:
             dispatcher.start()
         try:
@@ -100,12 +113,17 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
         finally:
             if dispatcher is not None:
                 dispatcher.stop()
+            if leader is not None:
+                leader.stop()
+            if isinstance(executor, Closeable):
+                executor.close()
 
     app = FastAPI(title="tputune", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
     app.state.engine = engine
     app.state.executor = executor
     app.state.dispatcher = dispatcher
+    app.state.leader = leader
     app.state.auth = Authenticator(engine, settings)
     app.state.metrics = metrics
     errors.install(app)

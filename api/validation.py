@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from api import tpu
 from api.errors import ApiError
+from api.jobset import tpu_request
 from api.settings import Settings
 from worker.config import TINY_MODEL, JobSpec
 
@@ -27,6 +29,13 @@ def check_local_paths(spec: JobSpec, settings: Settings) -> None:
     for field, uri in fields.items():
         if uri is None or uri.startswith("gs://"):
             continue
+        if settings.executor == "kubernetes":
+            raise ApiError(
+                422,
+                "local_path_not_supported",
+                f"{field}: {uri} is a local path, which TPU pods cannot see; use a gs://bucket/path URI.",
+                param=field,
+            )
         if not _under_roots(uri, roots):
             allowed = ", ".join(str(r) for r in roots)
             raise ApiError(
@@ -40,6 +49,9 @@ def check_local_paths(spec: JobSpec, settings: Settings) -> None:
 
 def check_resources(spec: JobSpec, settings: Settings) -> None:
     res = spec.resources
+    if settings.executor == "kubernetes":
+        check_tpu_resources(spec, settings)
+        return
     if settings.executor == "local":
         if res.accelerator is not None or res.topology is not None or res.slices != 1:
             raise ApiError(
@@ -66,6 +78,41 @@ def check_resources(spec: JobSpec, settings: Settings) -> None:
                 f"resources.processes ({processes}) so every process gets the same number of rows.",
                 param="hyperparameters.batch_size",
             )
+
+
+def check_tpu_resources(spec: JobSpec, settings: Settings) -> None:
+    res = spec.resources
+    if res.processes is not None:
+        raise ApiError(
+            422,
+            "resources_not_supported",
+            "This server runs jobs on TPU slices: leave out resources.processes; the accelerator and "
+            "topology decide the processes (one per TPU VM).",
+            param="resources.processes",
+        )
+    try:
+        tpus = tpu_request(spec, settings)
+    except tpu.TpuShapeError as exc:
+        raise ApiError(422, exc.code, exc.message, param=exc.param) from None
+    hyper = spec.hyperparameters
+    per_step = tpus.devices * hyper.gradient_accumulation_steps
+    if hyper.batch_size % per_step:
+        raise ApiError(
+            422,
+            "batch_size_not_divisible",
+            f"hyperparameters.batch_size ({hyper.batch_size}) must be a multiple of {per_step}: the "
+            f"{tpus.devices} TPU chips of {res.slices} x {res.accelerator} {res.topology} times "
+            f"{hyper.gradient_accumulation_steps} gradient accumulation steps.",
+            param="hyperparameters.batch_size",
+        )
+    if spec.output_uri is None and settings.k8s_output_base_uri is None:
+        raise ApiError(
+            422,
+            "output_uri_required",
+            "output_uri is required on this server (gs://bucket/path), as no default output location "
+            "(TPUTUNE_K8S_OUTPUT_BASE_URI) is configured.",
+            param="output_uri",
+        )
 
 
 def check_spec(spec: JobSpec, settings: Settings) -> None:

@@ -140,7 +140,7 @@ def test_rate_limit(make_settings: Callable[..., Settings]) -> None:
 
 
 def test_refuses_open_network_address_without_auth(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="refusing to serve 0.0.0.0"):
+    with pytest.raises(SystemExit, match=r"refusing to serve 0\.0\.0\.0"):
         Settings(data_dir=tmp_path, host="0.0.0.0").check_exposure()
     Settings(data_dir=tmp_path, host="0.0.0.0", admin_key="k").check_exposure()
     Settings(data_dir=tmp_path, host="127.0.0.1").check_exposure()

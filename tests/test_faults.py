@@ -85,7 +85,7 @@ def test_database_restart_under_load(own_postgres: PostgresServer, tmp_path: Pat
         ready = http.get("/readyz")
     up_at = time.monotonic()
     own_postgres.start()
-    time.sleep(4.0)
+    time.sleep(5.0)
     stop.set()
     for thread in threads:
         thread.join()
@@ -96,8 +96,8 @@ def test_database_restart_under_load(own_postgres: PostgresServer, tmp_path: Pat
     assert set(codes) <= {200, 201, 503}, codes  # never a 500, never a dropped connection
     outage = [(code, took) for t, code, took in results if down_at + 0.5 < t < up_at]
     assert outage and all(code == 503 for code, _ in outage)
-    assert max(took for _, took in outage) < 3.5  # fails fast instead of hanging
-    recovered = [code for t, code, _ in results if t > up_at + 2.0]
+    assert max(took for _, took in outage) < 6.0  # bounded by the connect and pool timeouts: no hang
+    recovered = [code for t, code, _ in results if t > up_at + 3.0]
     assert recovered and all(code in (200, 201) for code in recovered)
 
 

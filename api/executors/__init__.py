@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from api.models import Job
 from api.settings import Settings
@@ -15,12 +16,15 @@ class Observation:
 
     state: `running` (still going), `exited` (ended with `exit_code`), `gone` (no trace of it: died without
     an exit status, or never launched), `pending` (launched but waiting for resources; `reason` says why).
+    `restarts` counts the restarts the platform made itself (JobSets), `restart_reason` says why the latest
+    one happened.
     """
 
     state: Literal["pending", "running", "exited", "gone"]
     exit_code: int | None = None
     reason: str | None = None
     restarts: int = 0
+    restart_reason: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
 
 
@@ -41,15 +45,41 @@ class Executor(Protocol):
         Returns True once nothing of it runs any more."""
 
     def restart(self, job: Job, token: str) -> dict[str, Any]:
-        """Start the run again after a preemption exit (it resumes from its last checkpoint)."""
+        """Start the run again after a preemption exit (it resumes from its last checkpoint). Only asked of
+        executors that report EXIT_PREEMPTED; the kubernetes one never does (JobSets restart themselves)."""
 
     def logs(self, job: Job, tail: int) -> tuple[list[str], bool]:
         """The last `tail` lines of the job's log and whether older lines were left out."""
 
 
-def make_executor(settings: Settings) -> Executor:
-    if settings.executor == "local":
-        from api.executors.local import LocalExecutor
+class ExecutorUnavailable(RuntimeError):
+    """The platform did not answer (after retries); the dispatcher tries again on its next pass."""
 
-        return LocalExecutor(settings)
-    raise NotImplementedError("The kubernetes executor is not available yet; set TPUTUNE_EXECUTOR=local.")
+
+class LaunchRefused(OSError):
+    """The platform refused to start the run for good (e.g. an invalid object); the job fails with this."""
+
+
+@runtime_checkable
+class FollowsLogs(Protocol):
+    def follow_logs(self, job: Job, tail: int) -> Iterator[str]:
+        """The last `tail` lines, then new ones as they come, until the log ends; LookupError if there is
+        no log to follow yet."""
+        ...
+
+
+@runtime_checkable
+class Closeable(Protocol):
+    def close(self) -> None:
+        """Stop background work (watches) and release connections."""
+        ...
+
+
+def make_executor(settings: Settings) -> Executor:
+    if settings.executor == "kubernetes":
+        from api.executors.kubernetes import KubernetesExecutor
+
+        return KubernetesExecutor(settings)
+    from api.executors.local import LocalExecutor
+
+    return LocalExecutor(settings)

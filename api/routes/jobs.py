@@ -9,6 +9,7 @@ from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel
 from sqlmodel import Session
 
 from api import jobs as service
@@ -42,6 +43,17 @@ _errors: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorResponse, "description": "No such job."},
 }
 _METADATA_PARAM = re.compile(r"^metadata\[(.+)\]$")
+
+
+def _json(model: BaseModel, status_code: int = 200) -> Response:
+    """`model` as the JSON response, made here on the route's worker thread.
+
+    Returning a model instead makes FastAPI validate and serialize it on a second trip through the thread
+    pool, while the request's session still holds its database connection: slower, and under load the
+    requests holding connections waited there for threads held by requests waiting for connections.
+    """
+    return Response(model.model_dump_json(), status_code=status_code, media_type="application/json")
+
 
 _PROGRESS_EXAMPLE = {
     "reports": [
@@ -83,19 +95,15 @@ def create_job(
     settings: SettingsDep,
     tenant: TenantDep,
     dispatcher: DispatcherDep,
-    response: Response,
     idempotency_key: Annotated[
         str | None,
         Header(max_length=255, description="Retry-safe creation: the same key and body return the same job."),
     ] = None,
-) -> JobPublic:
+) -> Response:
     job, created = service.create_job(session, spec, settings, tenant, idempotency_key)
-    if created:
-        if dispatcher is not None:
-            dispatcher.wake()
-    else:
-        response.status_code = 200
-    return JobPublic.of(job)
+    if created and dispatcher is not None:
+        dispatcher.wake()
+    return _json(JobPublic.of(job), 201 if created else 200)
 
 
 @router.get("", response_model=JobPage, summary="List jobs, newest first", responses=error_responses(400))
@@ -106,7 +114,7 @@ def list_jobs(
     status: Annotated[list[JobStatus] | None, Query(description="Only jobs in these statuses.")] = None,
     after: Annotated[str | None, Query(description="A job id: return the jobs older than it.")] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
-) -> JobPage:
+) -> Response:
     """Filter by metadata with `metadata[key]=value` query parameters (all must match)."""
     metadata = {}
     for name, value in request.query_params.multi_items():
@@ -116,16 +124,17 @@ def list_jobs(
     rows, has_more = service.list_jobs(
         session, tenant, status=status or [], metadata=metadata, after=after, limit=limit
     )
-    return JobPage(
+    page = JobPage(
         data=[JobPublic.of(job) for job in rows],
         has_more=has_more,
         next_after=rows[-1].id if has_more else None,
     )
+    return _json(page)
 
 
 @router.get("/{job_id}", response_model=JobPublic, summary="Get a job", responses=_errors)
-def get_job(job_id: str, session: SessionDep, tenant: TenantDep) -> JobPublic:
-    return JobPublic.of(service.get_job(session, tenant, job_id))
+def get_job(job_id: str, session: SessionDep, tenant: TenantDep) -> Response:
+    return _json(JobPublic.of(service.get_job(session, tenant, job_id)))
 
 
 @router.post(
@@ -308,10 +317,10 @@ def post_progress(
     request: Request,
     session: SessionDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_job_token)],
-) -> ProgressAck:
+) -> Response:
     """The worker's side of the contract is described in `worker/protocol.py`: batches of reports,
     stored once per (job, kind, step, key), so retrying a batch is safe."""
     job = service.authenticate_worker(session, job_id, credentials.credentials if credentials else None)
     ack = service.ingest_progress(session, job, batch)
     request.app.state.metrics.reports.inc(ack.accepted)
-    return ack
+    return _json(ack)

@@ -1,0 +1,81 @@
+"""GET /jobs/{id}/logs reads JAX process 0's pod log through the API server, and follows it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+from fastapi.testclient import TestClient
+
+from tests.conftest import LiveApi
+from tests.k8s.cluster import NAMESPACE, Cluster
+from tests.k8s.fake_apiserver import FakeKubernetes
+from tests.k8s.test_reconciler import running, submit
+
+
+def process_zero(cluster: Cluster, job_id: str) -> str:
+    return next(
+        p["metadata"]["name"] for p in cluster.pods(job_id) if p["metadata"]["name"].endswith("-slice-0-0-a0")
+    )
+
+
+def test_tail_and_follow_the_process_zero_log(
+    k8s_api: Callable[..., LiveApi], cluster: Cluster, fake_k8s: FakeKubernetes, dataset_uri: str
+) -> None:
+    api = k8s_api()
+    job_id = submit(
+        api,
+        dataset_uri,
+        resources={"accelerator": "v6e", "topology": "4x4"},
+        hyperparameters={"batch_size": 16},
+    )
+    api.wait_for(job_id, lambda j: j["status_message"].startswith("Workers started"))
+    with api.client() as http:
+        answer = http.get(f"/jobs/{job_id}/logs", params={"follow": "true"})
+        assert answer.status_code == 409 and answer.json()["error"]["code"] == "logs_not_ready"
+    running(api, cluster, job_id)
+    assert len(cluster.pods(job_id)) == 4  # one per TPU VM of the 4x4 slice
+    pod = process_zero(cluster, job_id)
+    for other in cluster.pods(job_id):
+        fake_k8s.append_log(other["metadata"]["name"], NAMESPACE, "not process 0")
+    fake_k8s.append_log(pod, NAMESPACE, "step 1", "step 2", "step 3")
+    with api.client() as http:
+        assert http.get(f"/jobs/{job_id}/logs", params={"tail": 2}).json() == {
+            "job_id": job_id,
+            "lines": ["step 2", "step 3"],
+            "truncated": True,
+        }
+        assert http.get(f"/jobs/{job_id}/logs").json()["truncated"] is False
+
+    received: list[str] = []
+
+    def follow() -> None:
+        with httpx.stream(
+            "GET", f"{api.url}/jobs/{job_id}/logs", params={"follow": "true", "tail": 1}
+        ) as stream:
+            assert stream.headers["content-type"].startswith("text/plain")
+            received.extend(stream.iter_lines())
+
+    reader = threading.Thread(target=follow)
+    reader.start()
+    deadline = time.monotonic() + 10
+    while received != ["step 3"]:
+        assert time.monotonic() < deadline, received
+        time.sleep(0.02)
+    fake_k8s.append_log(pod, NAMESPACE, "step 4")
+    while received[-1:] != ["step 4"]:
+        assert time.monotonic() < deadline, received
+        time.sleep(0.02)
+    fake_k8s.remove("pods", pod, NAMESPACE)  # the pod goes: the stream ends
+    reader.join(timeout=10)
+    assert not reader.is_alive()
+    assert received == ["step 3", "step 4"]
+
+
+def test_local_logs_cannot_be_followed(client: TestClient, dataset: Path) -> None:
+    job = client.post("/jobs", json={"name": "local", "model": "tiny", "dataset_uri": str(dataset)}).json()
+    answer = client.get(f"/jobs/{job['id']}/logs", params={"follow": "true"})
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "follow_not_supported"

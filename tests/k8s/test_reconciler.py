@@ -1,0 +1,332 @@
+"""The dispatcher and the kubernetes executor, end to end: the real API (uvicorn, SQLite, the official
+Kubernetes client) against the fake API server, with the test playing the JobSet controller and the worker."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from api import jobset as render
+from tests.conftest import LiveApi
+from tests.k8s.cluster import NAMESPACE, Cluster
+from tests.k8s.fake_apiserver import FakeKubernetes
+
+FINAL = ("succeeded", "failed", "cancelled")
+
+
+def submit(api: LiveApi, dataset_uri: str, **spec: Any) -> str:
+    body = {
+        "name": "stories",
+        "model": "tiny",
+        "dataset_uri": dataset_uri,
+        "resources": {"accelerator": "v6e", "topology": "2x4"},
+        "hyperparameters": {"batch_size": 8},
+        **spec,
+    }
+    with api.client() as http:
+        response = http.post("/jobs", json=body)
+    assert response.status_code == 201, response.text
+    return str(response.json()["id"])
+
+
+def events(api: LiveApi, job_id: str, type_: str | None = None) -> list[dict[str, Any]]:
+    with api.client() as http:
+        params: dict[str, Any] = {"limit": 1000}
+        if type_:
+            params["type"] = type_
+        return list(http.get(f"/jobs/{job_id}/events", params=params).json()["data"])
+
+
+def statuses(api: LiveApi, job_id: str) -> list[str]:
+    return [e["data"]["status"] for e in events(api, job_id, "status") if "status" in (e["data"] or {})]
+
+
+def running(api: LiveApi, cluster: Cluster, job_id: str) -> dict[str, Any]:
+    """Pods up and the worker's first report in: the job is running."""
+    api.wait_for(
+        job_id, lambda j: j["status"] == "starting" and j["status_message"].startswith("Workers started")
+    )
+    cluster.start_pods(job_id)
+    report = cluster.report(api.url, job_id, {"kind": "status", "phase": "training", "message": "Training."})
+    assert report.status_code == 200, report.text
+    return api.wait_for(job_id, lambda j: j["status"] == "running")
+
+
+def test_submit_run_succeed(
+    k8s_api: Callable[..., LiveApi], cluster: Cluster, fake_k8s: FakeKubernetes, dataset_uri: str
+) -> None:
+    api = k8s_api()
+    job_id = submit(api, dataset_uri)
+    jobset = cluster.wait_jobset(job_id)
+    assert jobset["metadata"]["labels"][render.LABEL_JOB_ID] == job_id
+    job = running(api, cluster, job_id)
+    assert job["output_uri"] == f"gs://outputs/tputune/{job_id}"
+    owner = render.owner_reference(jobset)
+    for plural, name in (
+        ("secrets", render.secret_name(job_id)),
+        ("configmaps", render.config_map_name(job_id)),
+    ):
+        obj = fake_k8s.get(plural, name, NAMESPACE)
+        assert obj is not None and obj["metadata"]["ownerReferences"] == [owner]
+    cluster.complete(job_id)
+    job = api.wait_for(job_id, lambda j: j["status"] in FINAL)
+    assert job["status"] == "succeeded", job
+    assert statuses(api, job_id) == ["queued", "starting", "running", "succeeded"]
+    assert fake_k8s.count("create", "jobsets") == 1
+
+
+def test_failure_carries_the_reason_and_the_log(
+    k8s_api: Callable[..., LiveApi], cluster: Cluster, fake_k8s: FakeKubernetes, dataset_uri: str
+) -> None:
+    api = k8s_api()
+    crashed, bad_input, reported = (submit(api, dataset_uri) for _ in range(3))
+    for job_id in (crashed, bad_input, reported):
+        running(api, cluster, job_id)
+    process_zero = next(p for p in cluster.pods(crashed) if p["metadata"]["name"].endswith("-0-0-a0"))
+    fake_k8s.append_log(process_zero["metadata"]["name"], NAMESPACE, "loading", "Traceback: boom")
+    cluster.fail(crashed, exit_code=1, reason="FailedJobs", message="jobset failed due to job failure")
+    job = api.wait_for(crashed, lambda j: j["status"] in FINAL)
+    assert job["status"] == "failed" and job["error"]["code"] == "worker_failed"
+    message = job["error"]["message"]
+    assert "The JobSet failed (FailedJobs: jobset failed due to job failure)" in message
+    assert f"the worker in pod {process_zero['metadata']['name']} exited with status 1" in message
+    assert message.endswith("Last log lines: loading | Traceback: boom")
+
+    cluster.fail(bad_input, exit_code=65, reason="FailedByFailurePolicy")
+    job = api.wait_for(bad_input, lambda j: j["status"] in FINAL)
+    assert job["error"]["code"] == "invalid_input"
+
+    error = {
+        "kind": "error",
+        "step": 3,
+        "code": "loss_not_finite",
+        "message": "The loss became NaN at step 3.",
+    }
+    assert cluster.report(api.url, reported, error).status_code == 200
+    cluster.complete(reported)  # a worker that reported an error and exited 0 still failed
+    job = api.wait_for(reported, lambda j: j["status"] in FINAL)
+    assert job["status"] == "failed" and job["error"]["code"] == "loss_not_finite"
+
+
+def test_cancel_deletes_the_jobset(
+    k8s_api: Callable[..., LiveApi], cluster: Cluster, fake_k8s: FakeKubernetes, dataset_uri: str
+) -> None:
+    api = k8s_api()
+    job_id = submit(api, dataset_uri)
+    running(api, cluster, job_id)
+    fake_k8s.hold_foreground = True  # the pods take their time to stop
+    with api.client() as http:
+        assert http.post(f"/jobs/{job_id}/cancel").json()["status"] == "cancelling"
+    deadline = time.monotonic() + 10
+    while not fake_k8s.deletions:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert fake_k8s.deletions[0] == ("jobsets", render.jobset_name(job_id), "Foreground")
+    time.sleep(0.5)
+    assert api.wait_for(job_id, lambda j: True)["status"] == "cancelling"  # not before the pods are gone
+    assert cluster.pods(job_id) == []  # dependents go first
+    fake_k8s.finish_deletions()
+    job = api.wait_for(job_id, lambda j: j["status"] in FINAL)
+    assert job["status"] == "cancelled"
+    assert cluster.jobset(job_id) is None
+    assert (
+        fake_k8s.get("secrets", render.secret_name(job_id), NAMESPACE) is None
+    )  # collected with their owner
+    assert fake_k8s.get("configmaps", render.config_map_name(job_id), NAMESPACE) is None
+    assert [d for d in fake_k8s.deletions if d[0] == "jobsets"] == [d for d in fake_k8s.deletions[:1]]
+
+
+def test_restarts_are_counted_with_their_cause(
+    k8s_api: Callable[..., LiveApi], cluster: Cluster, dataset_uri: str
+) -> None:
+    api = k8s_api()
+    job_id = submit(api, dataset_uri)
+    running(api, cluster, job_id)
+    cluster.restart(job_id, exit_code=75, disruption="Node is being drained for maintenance")
+    job = api.wait_for(job_id, lambda j: j["restarts"] == 1)
+    assert job["status"] == "running"
+    cluster.restart(job_id, exit_code=75)
+    job = api.wait_for(job_id, lambda j: j["restarts"] == 2)
+    restarts = events(api, job_id, "restart")
+    assert [e["data"]["restarts"] for e in restarts] == [1, 2]
+    assert "stopped by the cluster (Node is being drained for maintenance)" in restarts[0]["message"]
+    assert "saved a checkpoint (exit status 75)" in restarts[1]["message"]
+    cluster.complete(job_id)
+    job = api.wait_for(job_id, lambda j: j["status"] in FINAL)
+    assert job["status"] == "succeeded" and job["restarts"] == 2
+
+
+def test_a_stuck_pod_says_why(k8s_api: Callable[..., LiveApi], cluster: Cluster, dataset_uri: str) -> None:
+    api = k8s_api()
+    job_id = submit(api, dataset_uri)
+    api.wait_for(
+        job_id, lambda j: j["status"] == "starting" and j["status_message"].startswith("Workers started")
+    )
+    unschedulable = {
+        "phase": "Pending",
+        "conditions": [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/3 nodes are available: 3 Insufficient google.com/tpu.",
+            }
+        ],
+    }
+    pods = cluster.start_pods(job_id, unschedulable)
+    job = api.wait_for(job_id, lambda j: "cannot be scheduled" in j["status_message"])
+    assert job["status_message"] == (
+        f"Pod {pods[0]['metadata']['name']} cannot be scheduled: 0/3 nodes are available: 3 Insufficient "
+        "google.com/tpu. A node pool with v6e 2x4 TPUs must exist and have room (or be able to scale up)."
+    )
+    pulling = {
+        "phase": "Pending",
+        "conditions": [{"type": "PodScheduled", "status": "True"}],
+        "containerStatuses": [
+            {
+                "name": "worker",
+                "image": "us-docker.pkg.dev/example/tputune/worker:0.1.0",
+                "state": {"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image"}},
+            }
+        ],
+    }
+    cluster.set_pods(job_id, pulling)
+    job = api.wait_for(job_id, lambda j: "ImagePullBackOff" in j["status_message"])
+    assert "cannot pull the image us-docker.pkg.dev/example/tputune/worker:0.1.0" in job["status_message"]
+    warnings = [e["message"] for e in events(api, job_id, "warning")]
+    assert len(warnings) == 2 and "cannot be scheduled" in warnings[0] and "ImagePullBackOff" in warnings[1]
+    cluster.set_pods(job_id, {"phase": "Running", "conditions": [{"type": "PodScheduled", "status": "True"}]})
+    job = api.wait_for(
+        job_id, lambda j: j["status_message"] == "Workers started; waiting for the first report."
+    )
+    assert job["status"] == "starting"
+
+
+def test_kueue_holds_the_job_for_quota(
+    k8s_api: Callable[..., LiveApi], cluster: Cluster, dataset_uri: str
+) -> None:
+    api = k8s_api(k8s_kueue_queue="tpu-queue", k8s_kueue_priority_class="batch-low")
+    job_id = submit(api, dataset_uri)
+    labels = cluster.wait_jobset(job_id)["metadata"]["labels"]
+    assert labels[render.KUEUE_QUEUE] == "tpu-queue" and labels[render.KUEUE_PRIORITY] == "batch-low"
+    cluster.suspend(job_id)
+    job = api.wait_for(job_id, lambda j: j["status_message"].startswith("Waiting for quota"))
+    assert job["status"] == "starting"
+    assert (
+        job["status_message"]
+        == "Waiting for quota: Kueue has not admitted the job yet (LocalQueue tpu-queue)."
+    )
+    cluster.admit(job_id)
+    running(api, cluster, job_id)
+
+
+def test_an_api_restart_adopts_the_running_jobset(
+    k8s_api: Callable[..., LiveApi], cluster: Cluster, fake_k8s: FakeKubernetes, dataset_uri: str
+) -> None:
+    api = k8s_api()
+    job_id = submit(api, dataset_uri)
+    running(api, cluster, job_id)
+    api.restart()
+    cluster.restart(job_id)  # seen by the new process's watch
+    api.wait_for(job_id, lambda j: j["restarts"] == 1)
+    cluster.complete(job_id)
+    assert api.wait_for(job_id, lambda j: j["status"] in FINAL)["status"] == "succeeded"
+    assert fake_k8s.count("create", "jobsets") == 1
+
+
+def test_a_launch_cut_short_is_adopted_not_repeated(
+    k8s_api: Callable[..., LiveApi], cluster: Cluster, fake_k8s: FakeKubernetes, dataset_uri: str
+) -> None:
+    """The API died after creating the JobSet and before recording it: the next one adopts it."""
+    from sqlmodel import Session, select
+
+    from api.db import make_engine
+    from api.executors.kubernetes import KubernetesExecutor
+    from api.jobs import new_job_token
+    from api.models import Job
+
+    first = k8s_api(dispatcher_enabled=False)
+    job_id = submit(first, dataset_uri)
+    first.stop()
+    token, token_hash = new_job_token()
+    engine = make_engine(first.settings.resolved_database_url)
+    with Session(engine) as session:
+        job = session.exec(select(Job).where(Job.id == job_id)).one()
+        job.token_hash = token_hash
+        session.add(job)
+        session.commit()
+        executor = KubernetesExecutor(first.settings)
+        executor.launch(job, token)
+        executor.close()
+    # the next API finds the JobSet, its Secret holding the token the database knows
+    api = k8s_api()
+    api.wait_for(
+        job_id, lambda j: j["status"] == "starting" and j["status_message"].startswith("Workers started")
+    )
+    launches = events(api, job_id, "launch")
+    assert [e["message"] for e in launches] == ["Found the job's workers already running; adopted them."]
+    assert cluster.token(job_id) == token
+    running(api, cluster, job_id)
+    assert fake_k8s.count("create", "jobsets") == 1
+
+
+def test_an_expired_watch_relists(
+    k8s_api: Callable[..., LiveApi], cluster: Cluster, fake_k8s: FakeKubernetes, dataset_uri: str
+) -> None:
+    api = k8s_api()
+    job_id = submit(api, dataset_uri)
+    running(api, cluster, job_id)
+    deadline = time.monotonic() + 10
+    while not (fake_k8s.count("watch", "jobsets") and fake_k8s.count("watch", "pods")):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    lists = fake_k8s.count("list", "jobsets")
+    # An object the watches do not see moves the server on; then their resourceVersions are compacted away.
+    fake_k8s.put("configmaps", {"metadata": {"name": "unrelated", "namespace": NAMESPACE}})
+    fake_k8s.compact()
+    fake_k8s.drop_watches()
+    cluster.complete(job_id)  # seen only by relisting
+    assert api.wait_for(job_id, lambda j: j["status"] in FINAL)["status"] == "succeeded"
+    assert fake_k8s.expired >= 1
+    assert fake_k8s.count("list", "jobsets") > lists
+
+
+def test_api_server_errors_and_outages_are_retried(
+    k8s_api: Callable[..., LiveApi], cluster: Cluster, fake_k8s: FakeKubernetes, dataset_uri: str
+) -> None:
+    api = k8s_api(k8s_leader_election=False)  # one replica: it keeps dispatching while the server is away
+    job_id = submit(api, dataset_uri)
+    running(api, cluster, job_id)
+    fake_k8s.fail_next(3, code=503)  # within one call's retries
+    second = submit(api, dataset_uri)
+    cluster.wait_jobset(second)
+    fake_k8s.stop()  # refused connections, for longer than the retries last
+    third = submit(api, dataset_uri)
+    job = api.wait_for(third, lambda j: j["status_message"].startswith("The Kubernetes API server did not"))
+    assert job["status"] == "starting" and job["status_message"].endswith("Connection refused; retrying.")
+    assert cluster.jobset(third) is None
+    fake_k8s.start()
+    running(api, cluster, third)
+    cluster.complete(job_id)
+    assert api.wait_for(job_id, lambda j: j["status"] in FINAL)["status"] == "succeeded"
+    assert fake_k8s.count("create", "jobsets") >= 3
+    assert len(fake_k8s.select("jobsets", NAMESPACE)) == 3
+
+
+def test_a_refused_jobset_fails_the_job(
+    k8s_api: Callable[..., LiveApi], fake_k8s: FakeKubernetes, dataset_uri: str
+) -> None:
+    from tests.k8s.fake_apiserver import ApiError
+
+    fake_k8s.refuse_create["jobsets"] = ApiError(
+        422,
+        "Invalid",
+        'JobSet.jobset.x-k8s.io "x" is invalid: spec.replicatedJobs[0].replicas: Invalid value',
+    )
+    api = k8s_api()
+    job_id = submit(api, dataset_uri)
+    job = api.wait_for(job_id, lambda j: j["status"] in FINAL)
+    assert job["status"] == "failed" and job["error"]["code"] == "launch_failed"
+    assert "the Kubernetes API refused the JobSet (422)" in job["error"]["message"]
+    assert "spec.replicatedJobs[0].replicas: Invalid value" in job["error"]["message"]
