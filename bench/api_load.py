@@ -267,7 +267,8 @@ def free_port() -> int:
 class ApiServer:
     """`tputune serve` as a subprocess, with default settings but for the ones named in the docstring."""
 
-    def __init__(self, workdir: Path, database_url: str | None) -> None:
+    def __init__(self, workdir: Path, database_url: str | None, source: Path = ROOT) -> None:
+        self.source = source
         self.workdir = workdir
         self.data_dir = workdir / "state"
         self.port = free_port()
@@ -288,7 +289,8 @@ class ApiServer:
                 "TPUTUNE_DATA_DIR": str(self.data_dir),
                 "TPUTUNE_PORT": str(self.port),
                 "TPUTUNE_WORKER_COMMAND": f"{sys.executable} -c {shlex.quote(SLEEPER)}",
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+                # `api` and `worker` from --source (this checkout by default), ahead of the installed ones.
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(self.source), env.get("PYTHONPATH")])),
             }
         )
         if not self.database_url.startswith("sqlite"):
@@ -674,7 +676,7 @@ def run_database(kind: str, args: argparse.Namespace, base: Path) -> dict[str, A
         pg.start()
         database_url = pg.url
         postmaster = int((pg.data_dir / "postmaster.pid").read_text().split()[0])
-    server = ApiServer(workdir, database_url)
+    server = ApiServer(workdir, database_url, args.source)
     engine = make_engine(server.database_url)
     phases: dict[str, Any] = {}
     result: dict[str, Any] = {"database": kind, "phases": phases}
@@ -903,6 +905,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also run GET /jobs/{id} and POST /jobs paced at this fraction of the rate each reached "
         "flat out (the latency of a loaded but not saturated server); 0: skip (default 0.5)",
     )
+    p.add_argument(
+        "--source",
+        type=Path,
+        default=ROOT,
+        help="run the server from this copy of the code (its api/, worker/ and migrations/), e.g. an older "
+        "version to compare with; default: this checkout",
+    )
     p.add_argument("--keep", action="store_true", help="keep the temp dirs (server logs, databases)")
     args = p.parse_args(argv)
     args.seconds = args.seconds or (3.0 if args.quick else 20.0)
@@ -946,6 +955,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "benchmark": "api_load",
         "config": {
+            "source": str(args.source),
             "seconds": args.seconds,
             "warmup_seconds": args.warmup,
             "concurrency": args.concurrency,

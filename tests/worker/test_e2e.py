@@ -73,9 +73,11 @@ def test_real_worker_job_succeeds_with_history_and_checkpoints(  # type: ignore[
         points = http.get(f"/jobs/{job_id}/metrics").json()["data"]
         checkpoints = http.get(f"/jobs/{job_id}/checkpoints").json()["data"]
         samples = http.get(f"/jobs/{job_id}/events", params={"type": "sample"}).json()["data"]
-    steps = [p["step"] for p in points if p["loss"] is not None]
-    assert steps == list(range(1, 13))
-    assert points[-1]["loss"] < points[0]["loss"]
+    trained = [p for p in points if p["loss"] is not None]
+    assert [p["step"] for p in trained] == list(range(1, 13))
+    assert trained[-1]["loss"] < trained[0]["loss"]
+    evals = [(p["step"], p["eval_loss"]) for p in points if p["eval_loss"] is not None]
+    assert [step for step, _ in evals] == [0, 6, 12] and evals[-1][1] < evals[0][1]  # baseline first
     assert [c["step"] for c in checkpoints][-1] == 12
     for checkpoint in checkpoints:
         assert Path(checkpoint["uri"]).exists(), checkpoint
