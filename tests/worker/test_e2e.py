@@ -114,10 +114,11 @@ def test_cancel_stops_the_real_worker_with_a_checkpoint(  # type: ignore[no-unty
     assert list((Path(job["output_uri"]) / "checkpoints").iterdir())  # it saved its state on the way out
 
 
+@pytest.mark.timeout(600)  # two processes each import gemma and compile: minutes on a busy 2-core machine
 def test_two_local_processes(worker_api, story_corpus: Path, tiny_tokenizer_path: Path) -> None:  # type: ignore[no-untyped-def]
     api = worker_api()
     job_id = submit(api, story_corpus, tiny_tokenizer_path, steps=6, resources={"processes": 2})
-    job = api.wait_for(job_id, lambda j: j["status"] in FINAL, timeout=280)
+    job = api.wait_for(job_id, lambda j: j["status"] in FINAL, timeout=560)
     assert job["status"] == "succeeded", job
     assert (api.settings.jobs_dir / job_id / "worker-1.log").exists()
     assert job["progress"]["step"] == 6
