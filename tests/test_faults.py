@@ -115,7 +115,7 @@ def _serve(settings_env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
 
 
 def _wait_up(url: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180  # a restart adopts up to 200 runs while clients hammer it
     while time.monotonic() < deadline:
         assert proc.poll() is None, "the API exited"
         try:

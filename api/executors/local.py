@@ -75,7 +75,8 @@ class LocalExecutor:
         recorded = _read_json(job_dir / RUNNER_FILE)
         if recorded and _alive(recorded):
             return {**recorded, "pgid": recorded["pid"]}
-        pid = _runner_of(job.id)
+        # The runner records itself first thing; only a run started without that record needs the scan.
+        pid = _runner_of(job.id) if recorded is None else None
         if pid is not None:
             return {"pid": pid, "pgid": pid, "start_time": process_start_time(pid)}
         if (job_dir / EXIT_FILE).exists() and recorded:
