@@ -127,6 +127,7 @@ def _wait_up(url: str, proc: subprocess.Popen[bytes]) -> None:
     raise AssertionError("API did not come up")
 
 
+@pytest.mark.timeout(600)  # ~2 min on a quiet 2-core machine; 200 runs and 4 API starts take longer loaded
 def test_sigkill_during_submissions_loses_and_doubles_nothing(tmp_path: Path, dataset: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
