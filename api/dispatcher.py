@@ -109,6 +109,10 @@ class Dispatcher:
     # --- one move per job ---
 
     def _claim(self, session: Session, job: Job) -> None:
+        if job.launched_at is not None:
+            # Its run exists but the platform holds it for quota: quota decides, not the tenant cap.
+            self._follow_held(session, job)
+            return
         cap = self.settings.tenant_max_active_jobs
         if cap is not None:
             active = session.exec(
@@ -130,6 +134,17 @@ class Dispatcher:
             self._launch(session, job)
         else:
             self._reconcile(session, job, self.executor.observe(job))
+
+    def _follow_held(self, session: Session, job: Job) -> None:
+        """A queued job whose run the platform holds (Kueue): say why it waits, move on once admitted."""
+        seen = self.executor.observe(job)
+        if seen.state == "pending" and seen.held:
+            self._pending(session, job, seen.reason or "Waiting for quota.")
+            return
+        self._pending_notes.pop(job.id, None)
+        admitted = "Workers started: the platform admitted the job; waiting for the first report."
+        if service.transition(session, job, JobStatus.starting, admitted):
+            self._reconcile(session, job, seen)
 
     def _launch(self, session: Session, job: Job) -> None:
         spec = job.spec
@@ -182,7 +197,12 @@ class Dispatcher:
         if seen.restarts > job.restarts:
             self._restarted(session, job, seen)
         waited = self._pending_notes.pop(job.id, None) if seen.state != "pending" else None
-        if seen.state == "pending":
+        if seen.state == "pending" and seen.held and job.status != JobStatus.cancelling:
+            # Not admitted yet, or preempted by a higher-priority workload: the job waits its turn again.
+            reason = seen.reason or "Waiting for quota."
+            self._pending_notes[job.id] = reason
+            service.transition(session, job, JobStatus.queued, reason)
+        elif seen.state == "pending":
             self._pending(session, job, seen.reason or "Waiting for resources.")
         elif seen.state == "running":
             if waited is not None and job.status_message == waited:

@@ -242,7 +242,7 @@ def request_cancel(session: Session, tenant: str, job_id: str) -> Job:
             )
         if job.status == JobStatus.cancelling:
             return job
-        if job.status == JobStatus.queued:
+        if job.status == JobStatus.queued and job.launched_at is None:
             done = transition(session, job, JobStatus.cancelled, "Cancelled before it started.")
         else:
             done = transition(
@@ -352,7 +352,9 @@ def ingest_progress(session: Session, job: Job, batch: ProgressBatch) -> Progres
         jobs = Job.__table__  # type: ignore[attr-defined]
         session.execute(update(jobs).where(jobs.c.seq == job.seq).values(**values))
     session.commit()
-    if fresh and job.status == JobStatus.starting:
+    # Any report, even one already stored, says a worker is alive: one that resumed after Kueue let the
+    # job run again repeats reports of its first run.
+    if batch.reports and job.status == JobStatus.starting:
         session.refresh(job)
         if job.status == JobStatus.starting:
             # Keep the worker's own status message (e.g. "Compiling") if the batch brought one.

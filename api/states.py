@@ -19,12 +19,25 @@ FINAL = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled})
 ACTIVE = frozenset({JobStatus.starting, JobStatus.running, JobStatus.cancelling})
 
 TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
-    JobStatus.queued: frozenset({JobStatus.starting, JobStatus.cancelled, JobStatus.failed}),
-    # A worker can finish before its first report moves the job to running.
-    JobStatus.starting: frozenset(
-        {JobStatus.running, JobStatus.succeeded, JobStatus.failed, JobStatus.cancelling, JobStatus.cancelled}
+    # queued → cancelling: a launched job the platform holds back (Kueue) has a JobSet to delete.
+    JobStatus.queued: frozenset(
+        {JobStatus.starting, JobStatus.cancelled, JobStatus.cancelling, JobStatus.failed}
     ),
-    JobStatus.running: frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.cancelling}),
+    # A worker can finish before its first report moves the job to running. → queued: the platform
+    # suspended the run to wait for quota (Kueue, before admission or preempting a running workload).
+    JobStatus.starting: frozenset(
+        {
+            JobStatus.queued,
+            JobStatus.running,
+            JobStatus.succeeded,
+            JobStatus.failed,
+            JobStatus.cancelling,
+            JobStatus.cancelled,
+        }
+    ),
+    JobStatus.running: frozenset(
+        {JobStatus.queued, JobStatus.succeeded, JobStatus.failed, JobStatus.cancelling}
+    ),
     # A run can end on its own before the cancel reaches it: record what really happened.
     JobStatus.cancelling: frozenset({JobStatus.cancelled, JobStatus.succeeded, JobStatus.failed}),
     JobStatus.succeeded: frozenset(),

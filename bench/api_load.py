@@ -27,11 +27,15 @@ What runs, per database:
   `--jobs-large` - 1,000 more inserted directly with SQL (batches of 5,000, RETURNING seq), cloned from
   a job the API and dispatcher made (same spec, metadata row and its three events, new id/name/times).
 
-Phases (each `--seconds` long after a 2 s warm-up, `--concurrency` connections, one wrk thread):
-healthz (the framework's ceiling: a sync route returning a small model), GET /jobs?limit=50 first page
-and deep cursor (100th-oldest job) with 1,000 jobs, the same with --jobs-large jobs, GET /jobs/{id},
-progress ingest, POST /jobs. CPU use of the server, PostgreSQL, wrk and the whole machine is reported
-per phase, with the load average at its start (the machine may be shared: figures are noisy).
+Phases (each `--seconds` long after a 2 s warm-up whose leftover requests are drained first,
+`--concurrency` connections, one wrk thread): healthz (the framework's ceiling: a sync route returning a
+small model), GET /jobs?limit=50 first page and deep cursor (100th-oldest job) with 1,000 jobs, the same
+with --jobs-large jobs, GET /jobs/{id}, progress ingest, POST /jobs; GET /jobs/{id} and POST /jobs again
+"paced" (`--paced-fraction`: each client pauses so that together they ask for half the rate reached flat
+out, which shows the latency of a loaded but not saturated server). Server CPU ms per request, and CPU
+use of the server, PostgreSQL, wrk and the whole machine are reported per phase, with the load average
+at its start (the machine may be shared: figures are noisy; CPU per request is the steadiest).
+`--source DIR` runs the server from another copy of the code (api/, worker/, migrations/) to compare.
 
 Needs wrk (`apt-get install -y wrk`) and, for PostgreSQL, the server binaries
 (`apt-get install -y postgresql`; found like the tests find them, see tests/support/postgres.py).
@@ -396,12 +400,18 @@ class Phase:
     path: str
     expect: int
     script: str = ""
-    rate: float | None = None  # paced: each connection waits concurrency/rate s between its requests
+    rate: float | None = None  # paced: each connection waits concurrency/rate s on average between requests
 
     def lua(self, concurrency: int) -> str:
         if self.rate is None:
             return self.script
-        return self.script + f"function delay() return {round(1000 * concurrency / self.rate)} end\n"
+        # Random pauses (uniform, twice the mean at most): fixed ones keep the clients in step, sending
+        # in bursts of `concurrency` requests at once.
+        mean_ms = round(1000 * concurrency / self.rate)
+        return (
+            self.script
+            + f"math.randomseed(os.time())\nfunction delay() return math.random(0, {2 * mean_ms}) end\n"
+        )
 
 
 def measure(

@@ -6,8 +6,11 @@
 Both methods train the same Gemma 3 architecture (4 layers, embed 256, 3 sliding-window + 1 global layer,
 built as `worker.model.tiny_config` builds its config), on the same generated stories (`worker.stories`),
 with the same tokenizer (a SentencePiece BPE model trained here in seconds, as tests/worker/conftest.py
-does), the same optimizer (`worker.train.make_optimizer`), the same global batch of rows of max_seq_len
-tokens and float32 compute:
+does), the same optimizer (`worker.train.make_optimizer`), float32 compute, and the same number of real
+target tokens per optimizer step (the batch size that matters to the optimizer): (b) takes `--batch-size`
+rows of max_seq_len tokens per step, mostly padding; (a) takes as many packed rows as hold the same real
+tokens on average (`--packed-batch-size` overrides it; equal rows would give (a) ~2x the tokens per step
+and (b) ~2x the optimizer steps for the same tokens, which wins short runs on step count alone):
 
 (a) ours: `worker.data.TrainData` (tokenized once, best-fit packed rows, segment-aware attention, positions
     restarting per document, loss mask on real targets), stepped by `worker.train.make_train_step`.
@@ -16,7 +19,8 @@ tokens and float32 compute:
     which is averaged over every position), stepped by the same train step with an all-ones loss mask.
 
 Trained target tokens are real (non-pad) next-token targets in both. (a) runs `--steps` steps; (b) runs
-until it has trained at least as many real target tokens, so the eval losses compare equal token counts.
+until it has trained at least as many real target tokens, so the eval losses compare equal token counts
+(after about as many optimizer steps).
 Eval: a held-out set of stories (a different generator seed), packed as `worker.data.EvalData` packs it,
 loss averaged over real targets only, the same batches for both models.
 
@@ -215,7 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--steps", type=int, default=12, help="steps of (a); (b) runs to the same real tokens"
     )
-    parser.add_argument("--batch-size", type=int, default=8, help="global batch in rows")
+    parser.add_argument("--batch-size", type=int, default=8, help="reference batch in rows")
+    parser.add_argument(
+        "--packed-batch-size",
+        type=int,
+        default=None,
+        help="packed rows per step (default: the reference's real tokens per step, in packed rows)",
+    )
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=4)
@@ -249,6 +259,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{(lengths > args.max_seq_len + 1).mean():.1%} longer than a row; vocab {tokenizer.vocab_size}"
     )
 
+    ref_real = int(np.minimum(lengths, args.max_seq_len + 1).sum() - len(lengths))
+    ref_pad = 1 - ref_real / (len(lengths) * args.max_seq_len)
+    start = time.perf_counter()
+    train = TrainData(stories, tokenizer, args.max_seq_len, args.batch_size, args.seed, [0], 1)
+    pack_seconds = time.perf_counter() - start
+    if args.packed_batch_size is None:
+        packed_real_per_row = train.stats.target_tokens / train.stats.rows
+        args.packed_batch_size = max(
+            1, round(args.batch_size * ref_real / len(lengths) / packed_real_per_row)
+        )
+        train = TrainData(stories, tokenizer, args.max_seq_len, args.packed_batch_size, args.seed, [0], 1)
     hyper = Hyperparameters(
         batch_size=args.batch_size,
         max_seq_len=args.max_seq_len,
@@ -258,20 +279,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     spec: Any = SimpleNamespace(hyperparameters=hyper)  # make_optimizer reads only .hyperparameters
 
-    start = time.perf_counter()
-    train = TrainData(stories, tokenizer, args.max_seq_len, args.batch_size, args.seed, [0], 1)
-    pack_seconds = time.perf_counter() - start
     evaluation = EvalData(held_out, tokenizer, args.max_seq_len, args.batch_size, args.seed, [0], 1)
     reference = ReferenceLoader(stories, tokenizer, args.max_seq_len, args.batch_size, args.seed)
     log(
         f"packed: {train.stats.rows} rows, pad {train.stats.pad_fraction:.1%}, "
+        f"{args.packed_batch_size} rows/step, "
         f"{train.stats.target_tokens} targets, {train.steps_per_epoch} steps/epoch "
         f"(tokenize+pack {pack_seconds:.2f}s)"
     )
-    ref_real = int(np.minimum(lengths, args.max_seq_len + 1).sum() - len(lengths))
-    ref_pad = 1 - ref_real / (len(lengths) * args.max_seq_len)
     log(
-        f"reference: {reference.steps_per_epoch} steps/epoch, pad {ref_pad:.1%}, "
+        f"reference: {args.batch_size} rows/step, {reference.steps_per_epoch} steps/epoch, "
+        f"pad {ref_pad:.1%}, "
         f"{ref_real} real targets/epoch"
     )
 
@@ -351,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
             epoch_steps = reference.steps_per_epoch
         r["epoch_steps"] = epoch_steps
         r["epoch_seconds_extrapolated"] = epoch_steps * r["step_seconds_mean"]
-        positions = args.batch_size * L
+        positions = (args.packed_batch_size if method == "packed" else args.batch_size) * L
+        r["rows_per_step"] = positions // L
         r["mfu"] = flops_per_position * positions / r["step_seconds_mean"] / peak
         r["useful_mfu"] = flops_per_position * r["tokens_per_second"] / peak
         r["eval_loss"] = eval_loss(state["params"])
@@ -371,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     if peak_end > peak:
         peak, peaks = peak_end, {**peaks, **{f"{k} (end)": v for k, v in peaks_end.items()}}
         for r in results.values():
-            r["mfu"] = flops_per_position * args.batch_size * L / r["step_seconds_mean"] / peak
+            r["mfu"] = flops_per_position * r["rows_per_step"] * L / r["step_seconds_mean"] / peak
             r["useful_mfu"] = flops_per_position * r["tokens_per_second"] / peak
     log(
         f"peak f32 matmul (best of start and end): {peak / 1e9:.1f} GFLOP/s; MFU packed "

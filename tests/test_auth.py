@@ -26,6 +26,11 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+def key_id_of(client: TestClient, key: str) -> str:
+    listed = client.get("/admin/keys", headers=bearer(ADMIN)).json()["data"]
+    return str(next(row["id"] for row in listed if key.startswith(row["prefix"] + "_")))
+
+
 def make_key(client: TestClient, tenant: str) -> str:
     response = client.post(
         "/admin/keys", json={"tenant": tenant, "name": f"{tenant} key"}, headers=bearer(ADMIN)
@@ -113,15 +118,26 @@ def test_worker_token_cannot_read_or_cancel(auth_client: TestClient, dataset: Pa
 
 def test_browser_session_cookie(auth_client: TestClient) -> None:
     key = make_key(auth_client, "alpha")
+    signed_out = {"auth_required": True, "signed_in": False, "tenant": None}
+    assert auth_client.get("/auth/session").json() == signed_out
     assert auth_client.post("/auth/session", json={"key": "nope"}).status_code == 401
     response = auth_client.post("/auth/session", json={"key": key})
     assert response.status_code == 204
+    assert auth_client.get("/auth/session").json() == {
+        "auth_required": True,
+        "signed_in": True,
+        "tenant": "alpha",
+    }
     assert "httponly" in response.headers["set-cookie"].lower()
     assert "samesite=strict" in response.headers["set-cookie"].lower()
     assert auth_client.get("/jobs").status_code == 200
-    auth_client.delete("/auth/session")
+    response = auth_client.delete("/auth/session")
+    assert response.status_code == 204 and 'tputune_key=""' in response.headers["set-cookie"]
     auth_client.cookies.clear()
     assert auth_client.get("/jobs").status_code == 401
+    auth_client.cookies.set("tputune_key", key)  # a revoked key's cookie is no session
+    auth_client.delete(f"/admin/keys/{key_id_of(auth_client, key)}", headers=bearer(ADMIN))
+    assert auth_client.get("/auth/session").json() == signed_out
 
 
 def test_rate_limit(make_settings: Callable[..., Settings]) -> None:

@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 from playwright.sync_api import Browser, ConsoleMessage, Page, Request, expect, sync_playwright
 from sqlmodel import Session, select
 
+from api.auth import COOKIE_NAME, DEFAULT_TENANT
 from api.jobs import new_job_token, transition
 from api.migrate import upgrade
 from api.models import Job
@@ -427,3 +428,8 @@ def test_sign_in_when_keys_are_required(
     expect(page.locator("#empty")).to_be_visible()
     expect(form).to_be_hidden()
     assert httpx.get(api.url + "/jobs").status_code == 401  # the key lives in this browser's cookie only
+    expect(page.locator("#session")).to_have_text(f"Signed in to tenant {DEFAULT_TENANT}. Sign out")
+    page.get_by_role("button", name="Sign out").click()
+    expect(form).to_be_visible()  # the cookie is gone: the next call asks for a key again
+    expect(page.locator("#session")).to_have_count(0)
+    assert not [c for c in page.context.cookies() if c["name"] == COOKIE_NAME]

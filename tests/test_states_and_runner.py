@@ -21,7 +21,9 @@ def test_state_machine() -> None:
                 check_transition(final, target)
     with pytest.raises(InvalidTransition, match="from 'queued' to 'running'"):
         check_transition("queued", "running")
-    assert not can_transition("running", "queued")
+    assert can_transition("running", "queued")  # Kueue preempted it: waiting for quota again
+    assert not can_transition("running", "starting")
+    assert not can_transition("cancelling", "queued")
 
 
 def test_invalid_transition_is_refused_not_applied(client, dataset: Path) -> None:  # type: ignore[no-untyped-def]

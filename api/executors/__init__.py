@@ -16,8 +16,9 @@ class Observation:
 
     state: `running` (still going), `exited` (ended with `exit_code`), `gone` (no trace of it: died without
     an exit status, or never launched), `pending` (launched but waiting for resources; `reason` says why).
-    `restarts` counts the restarts the platform made itself (JobSets), `restart_reason` says why the latest
-    one happened.
+    `held` (with `pending`): the platform holds the whole run back for quota (Kueue), so the job shows as
+    queued. `restarts` counts the restarts the platform made itself (JobSets), `restart_reason` says why
+    the latest one happened.
     """
 
     state: Literal["pending", "running", "exited", "gone"]
@@ -25,6 +26,7 @@ class Observation:
     reason: str | None = None
     restarts: int = 0
     restart_reason: str | None = None
+    held: bool = False
     details: dict[str, Any] = field(default_factory=dict)
 
 

@@ -469,7 +469,7 @@ def observation_of(
             if queue
             else "The JobSet is suspended; it starts when it is resumed."
         )
-        return seen("pending", reason=reason)
+        return seen("pending", reason=reason, held=True)
     stuck = stuck_reason(pods, shape)
     if stuck is not None:
         return seen("pending", reason=stuck)

@@ -114,6 +114,25 @@ def login(body: Annotated[SessionLogin, Body()], request: Request, response: Res
     return response
 
 
+class SessionState(BaseModel):
+    auth_required: bool = Field(description="Whether this server needs an API key.")
+    signed_in: bool = Field(description="Whether this browser's cookie holds a valid key.")
+    tenant: str | None = Field(description="The signed-in key's tenant.")
+
+
+@router.get("/auth/session", response_model=SessionState, summary="Whether the browser is signed in")
+def session_state(request: Request) -> SessionState:
+    auth = request.app.state.auth
+    key = request.cookies.get(COOKIE_NAME)
+    if not auth.settings.auth_enabled or not key:
+        return SessionState(auth_required=auth.settings.auth_enabled, signed_in=False, tenant=None)
+    try:
+        principal = auth.authenticate(key)
+    except ApiError:
+        return SessionState(auth_required=True, signed_in=False, tenant=None)
+    return SessionState(auth_required=True, signed_in=True, tenant=principal.tenant)
+
+
 @router.delete("/auth/session", status_code=204, summary="Sign the browser out")
 def logout(response: Response) -> Response:
     response.delete_cookie(COOKIE_NAME)

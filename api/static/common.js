@@ -41,6 +41,24 @@ function askToSignIn() {
   });
 }
 
+// A browser signed in with a key gets a "Sign out" button in the page header.
+async function showSession() {
+  const state = await api("/auth/session").catch(() => null);
+  const header = document.querySelector("header.top");
+  if (!state?.signed_in || !header) return;
+  const button = el("button", { text: "Sign out", attrs: { type: "button", id: "signout" } });
+  button.addEventListener("click", async () => {
+    await api("/auth/session", { method: "DELETE" }).catch(() => null);
+    location.reload();
+  });
+  header.append(el("p", { className: "session muted", attrs: { id: "session" } }, [
+    `Signed in to tenant ${state.tenant}. `,
+    button,
+  ]));
+}
+
+showSession();
+
 // Creates an element with text content (never HTML, so job names and samples cannot inject markup).
 export function el(tag, { text, className, attrs } = {}, children = []) {
   const node = document.createElement(tag);

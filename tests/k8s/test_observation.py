@@ -97,6 +97,7 @@ def test_waiting_states() -> None:
         == "Waiting for quota: Kueue has not admitted the job yet (LocalQueue q)."
     )
     assert observe(held).reason == "The JobSet is suspended; it starts when it is resumed."
+    assert observe(held).held and not observe(jobset(deleting=True)).held  # held: the job shows queued
 
 
 def test_stuck_pods() -> None:

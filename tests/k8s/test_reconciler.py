@@ -204,21 +204,56 @@ def test_a_stuck_pod_says_why(k8s_api: Callable[..., LiveApi], cluster: Cluster,
 
 
 def test_kueue_holds_the_job_for_quota(
-    k8s_api: Callable[..., LiveApi], cluster: Cluster, dataset_uri: str
+    k8s_api: Callable[..., LiveApi], cluster: Cluster, fake_k8s: FakeKubernetes, dataset_uri: str
 ) -> None:
     api = k8s_api(k8s_kueue_queue="tpu-queue", k8s_kueue_priority_class="batch-low")
-    job_id = submit(api, dataset_uri)
-    labels = cluster.wait_jobset(job_id)["metadata"]["labels"]
+    held, dropped = submit(api, dataset_uri), submit(api, dataset_uri)
+    labels = cluster.wait_jobset(held)["metadata"]["labels"]
     assert labels[render.KUEUE_QUEUE] == "tpu-queue" and labels[render.KUEUE_PRIORITY] == "batch-low"
-    cluster.suspend(job_id)
-    job = api.wait_for(job_id, lambda j: j["status_message"].startswith("Waiting for quota"))
-    assert job["status"] == "starting"
-    assert (
-        job["status_message"]
-        == "Waiting for quota: Kueue has not admitted the job yet (LocalQueue tpu-queue)."
-    )
-    cluster.admit(job_id)
-    running(api, cluster, job_id)
+    waiting = "Waiting for quota: Kueue has not admitted the job yet (LocalQueue tpu-queue)."
+    for job_id in (held, dropped):
+        cluster.wait_jobset(job_id)
+        cluster.suspend(job_id)
+        # Held for quota, the job is queued again (with why), not "starting" for hours.
+        job = api.wait_for(job_id, lambda j: j["status"] == "queued")
+        assert job["status_message"] == waiting
+
+    # Cancelling a held job deletes its JobSet: it exists even though the job is queued.
+    with api.client() as http:
+        assert http.post(f"/jobs/{dropped}/cancel").json()["status"] == "cancelling"
+    assert api.wait_for(dropped, lambda j: j["status"] in FINAL)["status"] == "cancelled"
+    assert cluster.jobset(dropped) is None
+    assert statuses(api, dropped) == ["queued", "starting", "queued", "cancelling", "cancelled"]
+
+    time.sleep(0.5)  # more passes of the dispatcher: a held job stays put, one warning only
+    assert api.wait_for(held, lambda j: True)["status"] == "queued"
+    assert [e["message"] for e in events(api, held, "warning")] == []
+    cluster.admit(held)
+    running(api, cluster, held)
+
+    # Kueue preempts the running workload for a higher-priority one: back to queued, then resumed.
+    cluster.suspend(held)
+    job = api.wait_for(held, lambda j: j["status"] == "queued")
+    assert job["status_message"] == waiting
+    cluster.admit(held)
+    api.wait_for(held, lambda j: j["status"] == "starting")
+    resumed = {"kind": "status", "phase": "training", "message": "Training."}  # stored already
+    assert cluster.report(api.url, held, resumed).status_code == 200
+    api.wait_for(held, lambda j: j["status"] == "running")
+    cluster.complete(held)
+    assert api.wait_for(held, lambda j: j["status"] in FINAL)["status"] == "succeeded"
+    assert statuses(api, held) == [
+        "queued",
+        "starting",
+        "queued",
+        "starting",
+        "running",
+        "queued",
+        "starting",
+        "running",
+        "succeeded",
+    ]
+    assert fake_k8s.count("create", "jobsets") == 2  # one each, never relaunched
 
 
 def test_an_api_restart_adopts_the_running_jobset(
