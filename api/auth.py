@@ -34,6 +34,11 @@ class Principal:
     is_admin: bool = False
 
 
+ANONYMOUS = Principal(tenant=DEFAULT_TENANT, key_id="anonymous", is_admin=True)
+ADMIN = Principal(tenant=DEFAULT_TENANT, key_id="admin", is_admin=True)
+UNKNOWN_KEY = "This API key is unknown or revoked; ask your admin for a new one."
+
+
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
@@ -62,30 +67,38 @@ class Authenticator:
         self._buckets: dict[str, tuple[float, float]] = {}
 
     def authenticate(self, key: str | None) -> Principal:
+        principal = self.authenticate_cached(key)
+        if principal is not None:
+            return principal
+        assert key is not None  # authenticate_cached answered every other case
+        digest = hash_key(key)
+        now = time.monotonic()
+        with Session(self.engine) as session:
+            row = session.exec(select(ApiKey).where(ApiKey.key_hash == digest)).first()
+        principal = Principal(tenant=row.tenant, key_id=row.id) if row and row.revoked_at is None else None
+        with self._lock:
+            self._cache[digest] = (now, principal)
+        if principal is None:
+            raise unauthorized(UNKNOWN_KEY)
+        return principal
+
+    def authenticate_cached(self, key: str | None) -> Principal | None:
+        """`authenticate` without the database: the Principal, an ApiError, or None when only a lookup
+        can tell (the caller then runs `authenticate` off the event loop)."""
         if not self.settings.auth_enabled:
-            return Principal(tenant=DEFAULT_TENANT, key_id="anonymous", is_admin=True)
+            return ANONYMOUS
         if not key:
             raise unauthorized("This API needs a key: send 'Authorization: Bearer <your tputune API key>'.")
         admin = self.settings.admin_key
         if admin is not None and hmac.compare_digest(key.encode(), admin.get_secret_value().encode()):
-            return Principal(tenant=DEFAULT_TENANT, key_id="admin", is_admin=True)
-        digest = hash_key(key)
-        now = time.monotonic()
+            return ADMIN
         with self._lock:
-            cached = self._cache.get(digest)
-        if cached is not None and now - cached[0] < _CACHE_SECONDS:
-            principal = cached[1]
-        else:
-            with Session(self.engine) as session:
-                row = session.exec(select(ApiKey).where(ApiKey.key_hash == digest)).first()
-            principal = (
-                Principal(tenant=row.tenant, key_id=row.id) if row and row.revoked_at is None else None
-            )
-            with self._lock:
-                self._cache[digest] = (now, principal)
-        if principal is None:
-            raise unauthorized("This API key is unknown or revoked; ask your admin for a new one.")
-        return principal
+            cached = self._cache.get(hash_key(key))
+        if cached is None or time.monotonic() - cached[0] >= _CACHE_SECONDS:
+            return None
+        if cached[1] is None:
+            raise unauthorized(UNKNOWN_KEY)
+        return cached[1]
 
     def forget(self) -> None:
         with self._lock:

@@ -34,7 +34,12 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(settings)
     print(f"tputune: serving on http://{settings.host}:{settings.port} (docs at /docs)", flush=True)
     uvicorn.run(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(), log_config=None
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        log_config=None,
+        timeout_keep_alive=settings.keep_alive_seconds,
     )
     return 0
 

@@ -9,17 +9,18 @@ from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, col, func, select
+from sqlmodel import Session, col, select
 
 from api import jobs as service
 from api.datasets import DatasetUnavailable, StorageUnreachable, check_dataset
 from api.db import session_scope
-from api.executors import Executor, ExecutorUnavailable, Observation
+from api.executors import Discards, Executor, ExecutorUnavailable, Observation
 from api.models import Job, utcnow
 from api.observability import Metrics, job_id_var
 from api.settings import Settings
 from api.states import ACTIVE, JobStatus
-from worker.config import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED
+from api.validation import job_chips
+from worker.config import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED, JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -113,19 +114,40 @@ class Dispatcher:
             # Its run exists but the platform holds it for quota: quota decides, not the tenant cap.
             self._follow_held(session, job)
             return
-        cap = self.settings.tenant_max_active_jobs
-        if cap is not None:
-            active = session.exec(
-                select(func.count())
-                .select_from(Job)
-                .where(Job.tenant == job.tenant, col(Job.status).in_(list(ACTIVE)))
-            ).one()
-            if active >= cap:
-                # Over the cap a job waits its turn; it is never rejected.
-                self._note(session, job, f"Waiting: {active} jobs of your team are running (limit {cap}).")
-                return
+        waiting = self._over_tenant_cap(session, job)
+        if waiting is not None:
+            # Over the cap a job waits its turn; it is never rejected.
+            self._note(session, job, waiting)
+            return
         if service.transition(session, job, JobStatus.starting, "Checking the dataset."):
             self._launch(session, job)
+
+    def _over_tenant_cap(self, session: Session, job: Job) -> str | None:
+        """Why `job` must wait for its tenant's running jobs (TPUTUNE_TENANT_MAX_ACTIVE_*), or None."""
+        max_jobs, max_chips = self.settings.tenant_max_active_jobs, self.settings.tenant_max_active_chips
+        if max_jobs is None and max_chips is None:
+            return None
+        active = session.exec(
+            select(Job.spec).where(Job.tenant == job.tenant, col(Job.status).in_(list(ACTIVE)))
+        ).all()
+        if max_jobs is not None and len(active) >= max_jobs:
+            return f"Waiting: {len(active)} jobs of your team are running (limit {max_jobs})."
+        if max_chips is not None:
+            what = "TPU chips" if self.settings.executor == "kubernetes" else "processes"
+            used = sum(self._chips(spec) for spec in active)
+            needed = self._chips(job.spec)
+            if used + needed > max_chips:
+                return (
+                    f"Waiting: your team's running jobs hold {used} of its {max_chips} {what}; "
+                    f"this job needs {needed}."
+                )
+        return None
+
+    def _chips(self, spec: Any) -> int:
+        try:
+            return job_chips(JobSpec.model_validate(spec), self.settings)
+        except Exception:  # a spec this server's settings no longer accept still holds what it holds
+            return 0
 
     def _follow(self, session: Session, job: Job) -> None:
         if job.status == JobStatus.cancelling:
@@ -170,9 +192,10 @@ class Dispatcher:
                 handle = self.executor.launch(job, token)
             except OSError as exc:
                 message = f"The worker could not be started: {exc}"
-                service.transition(
+                if service.transition(
                     session, job, JobStatus.failed, message, error_code="launch_failed", error_message=message
-                )
+                ):
+                    self._discard(job)
                 return
             event = "Workers started."
         else:
@@ -290,5 +313,17 @@ class Dispatcher:
                 job.launch, job.launched_at = handle, utcnow()
                 session.add(job)
                 session.commit()
+            else:
+                self._discard(job, best_effort=False)  # retried on the next pass if the platform is away
         if job.launched_at is None or self.executor.cancel(job):
             service.transition(session, job, JobStatus.cancelled, "Cancelled; the workers are stopped.")
+
+    def _discard(self, job: Job, best_effort: bool = True) -> None:
+        if not isinstance(self.executor, Discards):
+            return
+        try:
+            self.executor.discard(job)
+        except Exception:
+            if not best_effort:
+                raise
+            log.warning("job %s: could not clean up after its launch", job.id, exc_info=True)

@@ -16,7 +16,15 @@ from typing import Any
 from api import tpu
 from api.models import Job
 from api.settings import Settings
-from worker.config import ENV_API_URL, ENV_JOB_ID, ENV_JOB_TOKEN, EXIT_BAD_INPUT, JobSpec, WorkerConfig
+from worker.config import (
+    ENV_API_URL,
+    ENV_GCS_FUSE_ROOT,
+    ENV_JOB_ID,
+    ENV_JOB_TOKEN,
+    EXIT_BAD_INPUT,
+    JobSpec,
+    WorkerConfig,
+)
 
 GROUP = "jobset.x-k8s.io"
 VERSION = "v1alpha2"
@@ -28,7 +36,6 @@ CONFIG_FILE = "job.json"
 FUSE_ROOT = "/gcs"
 TOKEN_KEY = "token"
 # worker/data.py reads it; named here because importing worker.data needs numpy, which the API image lacks.
-ENV_GCS_FUSE_ROOT = "TPUTUNE_GCS_FUSE_ROOT"
 
 LABEL_JOB_ID = "tputune.dev/job-id"
 LABEL_TENANT = "tputune.dev/tenant"

@@ -63,6 +63,22 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorResponse, "description": text[code]} for code in codes}
 
 
+# A job's spec never changes after it is created: validate it once per process, not on every read.
+_SPECS: dict[str, JobSpec] = {}
+_SPECS_MAX = 20_000
+
+
+def job_spec(job: Job) -> JobSpec:
+    """The job's validated spec (shared: do not modify it)."""
+    spec = _SPECS.get(job.id)
+    if spec is None:
+        spec = JobSpec.model_validate(job.spec)
+        if len(_SPECS) >= _SPECS_MAX:
+            _SPECS.clear()
+        _SPECS[job.id] = spec
+    return spec
+
+
 class JobProgress(BaseModel):
     step: int
     total_steps: int | None
@@ -107,11 +123,13 @@ class JobPublic(BaseModel):
 
     @classmethod
     def of(cls, job: Job) -> JobPublic:
-        spec = JobSpec.model_validate(job.spec)
+        # Built without validation: every value comes from the database row, typed by the model, and
+        # validating 50 jobs per page was a third of a list call's CPU time.
+        spec = job_spec(job)
         fraction = None
         if job.total_steps:
             fraction = min(1.0, job.step / job.total_steps)
-        return cls(
+        return cls.model_construct(
             id=job.id,
             name=job.name,
             status=job.status,
@@ -119,17 +137,17 @@ class JobPublic(BaseModel):
             model=job.model,
             method=job.method,
             executor=job.executor,
-            created_at=as_utc(job.created_at),  # type: ignore[arg-type]
+            created_at=as_utc(job.created_at),
             started_at=as_utc(job.started_at),
             finished_at=as_utc(job.finished_at),
-            progress=JobProgress(
+            progress=JobProgress.model_construct(
                 step=job.step,
                 total_steps=job.total_steps,
                 epoch=job.epoch,
                 fraction=fraction,
                 eta_seconds=job.eta_seconds,
             ),
-            metrics=JobMetrics(
+            metrics=JobMetrics.model_construct(
                 loss=job.loss,
                 eval_loss=job.eval_loss,
                 learning_rate=job.learning_rate,
@@ -137,7 +155,11 @@ class JobPublic(BaseModel):
             ),
             trained_tokens=job.trained_tokens,
             restarts=job.restarts,
-            error=JobError(code=job.error_code, message=job.error_message or "") if job.error_code else None,
+            error=(
+                JobError.model_construct(code=job.error_code, message=job.error_message or "")
+                if job.error_code
+                else None
+            ),
             output_uri=job.output_uri,
             checkpoint_uri=job.checkpoint_uri,
             metadata=spec.metadata,

@@ -60,8 +60,23 @@ class Settings(BaseSettings):
     )
     rate_limit_per_second: float = Field(default=50.0, ge=0, description="Per API key; 0 turns it off.")
     rate_limit_burst: int = Field(default=200, ge=1)
+    keep_alive_seconds: int = Field(
+        default=75,
+        ge=1,
+        description="How long an idle client connection stays open (behind a load balancer: longer than "
+        "its own idle timeout, or it sees resets; Google Cloud's is 600 s).",
+    )
+    worker_threads: int = Field(
+        default=8, ge=1, le=256, description="Threads that run the API's blocking route code."
+    )
     tenant_max_active_jobs: int | None = Field(
         default=None, ge=1, description="Jobs of one tenant running at once; more wait queued."
+    )
+    tenant_max_active_chips: int | None = Field(
+        default=None,
+        ge=1,
+        description="TPU chips one tenant's running jobs may hold at once (local executor: processes); "
+        "more wait queued, and a job bigger than this is refused.",
     )
 
     # --- the kubernetes executor (TPU JobSets on GKE) ---

@@ -126,3 +126,22 @@ def check_spec(spec: JobSpec, settings: Settings) -> None:
         )
     check_local_paths(spec, settings)
     check_resources(spec, settings)
+    cap = settings.tenant_max_active_chips
+    if cap is not None and (chips := job_chips(spec, settings)) > cap:
+        what = "TPU chips" if settings.executor == "kubernetes" else "local processes"
+        raise ApiError(
+            422,
+            "over_tenant_chip_limit",
+            f"This job needs {chips} {what}, more than your team may use at once ({cap}, "
+            "TPUTUNE_TENANT_MAX_ACTIVE_CHIPS), so it could never start; use a smaller topology or fewer "
+            "slices (processes), or ask your admin to raise the limit.",
+            param="resources",
+        )
+
+
+def job_chips(spec: JobSpec, settings: Settings) -> int:
+    """What a job holds while it runs, for the tenant cap: its TPU chips (every slice) on Kubernetes,
+    its processes (each stands in for a TPU VM) on the local executor."""
+    if settings.executor == "kubernetes":
+        return tpu_request(spec, settings).devices
+    return spec.resources.processes or 1

@@ -7,6 +7,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from api.runner import process_start_time
@@ -216,3 +217,36 @@ def test_tenant_cap_keeps_extra_jobs_queued(live_api, dataset: Path) -> None:  #
     with api.client() as http:
         http.post(f"/jobs/{first}/cancel")
     assert api.wait_for(second, lambda j: j["status"] in FINAL)["status"] == "succeeded"
+
+
+def test_tenant_chip_cap_queues_what_does_not_fit_and_refuses_what_never_can(  # type: ignore[no-untyped-def]
+    live_api, dataset: Path
+) -> None:
+    api = live_api(tenant_max_active_chips=2, max_local_processes=4)
+
+    def post(fake: str, processes: int) -> httpx.Response:
+        body = {
+            "name": f"fake-{fake}",
+            "model": "tiny",
+            "dataset_uri": str(dataset),
+            "resources": {"processes": processes},
+            "hyperparameters": {"batch_size": 6},
+            "metadata": {"fake": fake},
+        }
+        with api.client() as http:
+            return http.post("/jobs", json=body)
+
+    never = post("succeed", 3)
+    assert never.status_code == 422 and never.json()["error"]["code"] == "over_tenant_chip_limit"
+    assert "needs 3 local processes" in never.json()["error"]["message"]
+    big, small = post("slow", 2).json()["id"], post("succeed", 1).json()["id"]
+    api.wait_for(big, lambda j: j["status"] == "running")
+    waiting = api.wait_for(small, lambda j: "this job needs 1" in (j["status_message"] or ""))
+    assert waiting["status"] == "queued"
+    assert (
+        waiting["status_message"]
+        == "Waiting: your team's running jobs hold 2 of its 2 processes; this job needs 1."
+    )
+    with api.client() as http:
+        http.post(f"/jobs/{big}/cancel")
+    assert api.wait_for(small, lambda j: j["status"] in FINAL)["status"] == "succeeded"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from sqlalchemy import create_engine, inspect
+import threading
+
+from sqlalchemy import create_engine, inspect, text
 
 from api.migrate import downgrade, upgrade
 
@@ -43,3 +45,30 @@ def test_models_match_migrations(database_url: str) -> None:
         diff = compare_metadata(MigrationContext.configure(connection), SQLModel.metadata)
     engine.dispose()
     assert diff == []
+
+
+def test_replicas_starting_at_once_migrate_once(database_url: str) -> None:
+    """Several API processes upgrade the same empty database together: one migrates, none fails."""
+    downgrade(database_url, "base")
+    barrier = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def start_replica() -> None:
+        barrier.wait()
+        try:
+            upgrade(database_url)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start_replica) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert errors == []
+    assert tables(database_url) == TABLES
+    engine = create_engine(database_url)
+    with engine.connect() as connection:
+        versions = connection.execute(text("SELECT version_num FROM alembic_version")).all()
+    engine.dispose()
+    assert len(versions) == 1

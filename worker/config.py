@@ -231,3 +231,5 @@ class WorkerConfig(_Strict):
 ENV_API_URL = "TPUTUNE_API_URL"  # base URL of the API; unset runs standalone (reports go to the log)
 ENV_JOB_TOKEN = "TPUTUNE_JOB_TOKEN"  # per-job bearer token for POST /jobs/{id}/progress
 ENV_JOB_ID = "TPUTUNE_JOB_ID"
+# Where GCS FUSE mounts buckets in the pod (one dir per bucket): the worker reads gs:// data there.
+ENV_GCS_FUSE_ROOT = "TPUTUNE_GCS_FUSE_ROOT"

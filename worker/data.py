@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from worker.config import JobSpec
+from worker.config import ENV_GCS_FUSE_ROOT, JobSpec
 from worker.tokenizer import Tokenizer, TokenizerError
 
 if TYPE_CHECKING:
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 TXT_SEPARATOR = "<|endoftext|>"
 FORMATS = (".txt", ".jsonl", ".parquet")
 CHAT_ROLES = ("user", "model", "system")
-ENV_GCS_FUSE_ROOT = "TPUTUNE_GCS_FUSE_ROOT"
 ENV_STORAGE_EMULATOR_HOST = "STORAGE_EMULATOR_HOST"
 
 # Independent random streams drawn from the one job seed.

@@ -48,8 +48,6 @@ from worker.data import (
     EvalData,
     TrainData,
     load_train_data,
-    read_documents,
-    split_validation,
 )
 from worker.protocol import (
     CheckpointReport,
@@ -288,23 +286,7 @@ def load_data(
     spec: JobSpec, tokenizer: Tokenizer, data_shards: int | None
 ) -> tuple[TrainData, EvalData | None]:
     """This process's data: shards [i*k, (i+1)*k) of `data_shards` (k per process; default one each)."""
-    count, index = jax.process_count(), jax.process_index()
-    shards = data_shards or count
-    if shards % count:
-        raise DataError("bad_data_shards", f"{shards} data shards do not split evenly over {count} processes")
-    per_process = shards // count
-    if per_process == 1:
-        return load_train_data(spec, tokenizer, index, count)
-    hyper = spec.hyperparameters
-    documents = read_documents(spec.dataset_uri)
-    validation = None
-    if spec.validation_uri is not None:
-        validation = read_documents(spec.validation_uri)
-    elif spec.validation_split is not None:
-        documents, validation = split_validation(documents, spec.validation_split, hyper.seed)
-    indices = list(range(index * per_process, (index + 1) * per_process))
-    args = (tokenizer, hyper.max_seq_len, hyper.batch_size, hyper.seed, indices, shards)
-    return TrainData(documents, *args), None if validation is None else EvalData(validation, *args)
+    return load_train_data(spec, tokenizer, jax.process_index(), jax.process_count(), data_shards)
 
 
 # --- The run ----------------------------------------------------------------------------------------------

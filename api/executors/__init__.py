@@ -71,6 +71,14 @@ class FollowsLogs(Protocol):
 
 
 @runtime_checkable
+class Discards(Protocol):
+    def discard(self, job: Job) -> None:
+        """Remove what a launch that never finished left behind (the job was cancelled or its launch
+        refused before a run existed). Idempotent."""
+        ...
+
+
+@runtime_checkable
 class Closeable(Protocol):
     def close(self) -> None:
         """Stop background work (watches) and release connections."""

@@ -217,7 +217,7 @@ class KubeClient:
             _request_timeout=(self.timeout, FOLLOW_READ_SECONDS),
         )
 
-    # --- secrets and configmaps: create, patch ---
+    # --- secrets and configmaps: create, patch, delete ---
 
     def create_secret(self, body: dict[str, Any]) -> dict[str, Any]:
         return self._call(self.core.create_namespaced_secret, self.namespace, body)
@@ -242,6 +242,22 @@ class KubeClient:
             patch,
             _content_type="application/merge-patch+json",
         )
+
+    def delete_secret(self, name: str) -> bool:
+        return self._delete(self.core.delete_namespaced_secret, name)
+
+    def delete_config_map(self, name: str) -> bool:
+        return self._delete(self.core.delete_namespaced_config_map, name)
+
+    def _delete(self, fn: Callable[..., Any], name: str) -> bool:
+        """False when it was not there."""
+        try:
+            self._call(fn, name, self.namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
 
     # --- leases: get, create, update ---
 
@@ -622,6 +638,14 @@ class KubernetesExecutor:
                 f"the Kubernetes API refused {what} ({exc.status}): {api_message(exc)}.{hint}"
             ) from exc
         return self._handle(created)
+
+    def discard(self, job: Job) -> None:
+        """Delete the Secret and ConfigMap of a launch that never made its JobSet (cancelled or refused
+        in between); a JobSet's own are garbage-collected with it."""
+        if self.kube.get_jobset(render.jobset_name(job.id)) is not None:
+            return
+        self.kube.delete_secret(render.secret_name(job.id))
+        self.kube.delete_config_map(render.config_map_name(job.id))
 
     def restart(self, job: Job, token: str) -> dict[str, Any]:
         raise RuntimeError(

@@ -134,7 +134,7 @@ def list_jobs(
 
 @router.get("/{job_id}", response_model=JobPublic, summary="Get a job", responses=_errors)
 def get_job(job_id: str, session: SessionDep, tenant: TenantDep) -> Response:
-    return _json(JobPublic.of(service.get_job(session, tenant, job_id)))
+    return _json(JobPublic.of(service.read_job(session, tenant, job_id)))
 
 
 @router.post(

@@ -38,6 +38,7 @@ def test_the_role_grants_exactly_what_the_code_uses(
         assert next(iter(executor.follow_logs(job, 10))) == "hello"
         while not executor.cancel(job):
             assert time.monotonic() < deadline
+        executor.discard(job)  # what a launch cut short before its JobSet leaves: deleted
     finally:
         executor.close()
     leader = LeaderElector(KubeClient(settings), settings, identity="rbac")

@@ -365,3 +365,33 @@ def test_a_refused_jobset_fails_the_job(
     assert job["status"] == "failed" and job["error"]["code"] == "launch_failed"
     assert "the Kubernetes API refused the JobSet (422)" in job["error"]["message"]
     assert "spec.replicatedJobs[0].replicas: Invalid value" in job["error"]["message"]
+    assert_cleaned_up(fake_k8s, job_id)  # no JobSet owns its Secret and ConfigMap: deleted
+
+
+def assert_cleaned_up(fake_k8s: FakeKubernetes, job_id: str) -> None:
+    deadline = time.monotonic() + 10
+    for plural, name in (
+        ("secrets", render.secret_name(job_id)),  # the worker token
+        ("configmaps", render.config_map_name(job_id)),
+    ):
+        while fake_k8s.get(plural, name, NAMESPACE) is not None:
+            assert time.monotonic() < deadline, f"the job's {plural} {name} was left behind"
+            time.sleep(0.05)
+
+
+def test_cancel_while_the_jobset_cannot_be_created_leaves_nothing(
+    k8s_api: Callable[..., LiveApi], fake_k8s: FakeKubernetes, dataset_uri: str
+) -> None:
+    from tests.k8s.fake_apiserver import ApiError
+
+    fake_k8s.refuse_create["jobsets"] = ApiError(503, "ServiceUnavailable", "the JobSet webhook is down")
+    api = k8s_api()
+    job_id = submit(api, dataset_uri)
+    job = api.wait_for(job_id, lambda j: "did not answer" in (j["status_message"] or ""))
+    assert job["status"] == "starting"
+    assert fake_k8s.get("secrets", render.secret_name(job_id), NAMESPACE) is not None
+    with api.client() as http:
+        assert http.post(f"/jobs/{job_id}/cancel").json()["status"] == "cancelling"
+    assert api.wait_for(job_id, lambda j: j["status"] in FINAL)["status"] == "cancelled"
+    assert_cleaned_up(fake_k8s, job_id)
+    assert fake_k8s.count("create", "jobsets") >= 1 and fake_k8s.select("jobsets", NAMESPACE) == []
