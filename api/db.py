@@ -17,7 +17,7 @@ from sqlmodel import Session, create_engine
 POOL_SIZE = 40
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, pool_size: int = POOL_SIZE) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         pool: dict[str, Any] = {}
@@ -26,7 +26,7 @@ def make_engine(url: str) -> Engine:
             # No cap (max_overflow=-1): a SQLite connection is only a file handle, and a request waiting
             # for one can hold the thread that a request holding one needs to finish (FastAPI serializes
             # a sync route's response on a worker thread before the session is closed): a deadlock.
-            pool = {"pool_size": POOL_SIZE, "max_overflow": -1}
+            pool = {"pool_size": pool_size, "max_overflow": -1}
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **pool)
 
         @event.listens_for(engine, "connect")
@@ -43,7 +43,7 @@ def make_engine(url: str) -> Engine:
     return create_engine(
         url,
         pool_pre_ping=True,
-        pool_size=POOL_SIZE,  # as many as before at most (was 20 + 20 overflow), but kept open
+        pool_size=pool_size,  # as many as before at most (was 20 + 20 overflow), but kept open
         max_overflow=0,
         pool_timeout=5,
         connect_args={"connect_timeout": 3},

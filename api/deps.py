@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
 
 import anyio
@@ -51,10 +53,15 @@ class CloseSessions:
                 if session.in_transaction() and session.get_bind().dialect.name != "sqlite":
                     # Returning the connection rolls back: a round trip to the server, kept off the event
                     # loop (shielded: a client that went away must not leave the connection checked out).
+                    # Not on the routes' threads: they may all be waiting for a pooled connection that
+                    # only a close can give back.
                     with anyio.CancelScope(shield=True):
-                        await run_in_threadpool(session.close)
+                        await asyncio.get_running_loop().run_in_executor(_CLOSERS, session.close)
                 else:
                     session.close()
+
+
+_CLOSERS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tputune-session-close")
 
 
 _api_key = HTTPBearer(

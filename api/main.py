@@ -93,7 +93,7 @@ class BodySizeLimit:
 def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastAPI:
     settings = settings or Settings()
     settings.ensure_dirs()
-    engine = engine or make_engine(settings.resolved_database_url)
+    engine = engine or make_engine(settings.resolved_database_url, settings.database_pool_size)
     executor = make_executor(settings)
     metrics = Metrics(engine)
     leader = None

@@ -60,6 +60,9 @@ class Settings(BaseSettings):
     )
     rate_limit_per_second: float = Field(default=50.0, ge=0, description="Per API key; 0 turns it off.")
     rate_limit_burst: int = Field(default=200, ge=1)
+    database_pool_size: int = Field(
+        default=40, ge=1, le=1000, description="Database connections kept open (PostgreSQL: the most)."
+    )
     keep_alive_seconds: int = Field(
         default=75,
         ge=1,

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+
+from tests.conftest import LiveApi
 
 
 def job_body(dataset: Path, **overrides: object) -> dict:
@@ -203,3 +208,24 @@ def test_openapi_has_examples(client: TestClient) -> None:
     progress = spec["paths"]["/jobs/{job_id}/progress"]["post"]
     assert progress["requestBody"]["content"]["application/json"]["examples"]
     assert client.get("/docs").status_code == 200
+
+
+def test_more_requests_than_threads_and_connections_never_deadlock(
+    live_api: Callable[..., LiveApi], dataset: Path
+) -> None:
+    """Finished requests give their connection back even when every route thread waits for one."""
+    api = live_api(dispatcher_enabled=False, worker_threads=2, database_pool_size=2)
+    with api.client() as http:
+        for i in range(60):
+            body = {"name": f"j{i}", "model": "tiny", "dataset_uri": str(dataset)}
+            assert http.post("/jobs", json=body).status_code == 201
+
+    def list_page(_: int) -> int:
+        with api.client() as http:
+            return http.get("/jobs", params={"limit": 50}).status_code
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        codes = list(pool.map(list_page, range(200)))
+    assert codes == [200] * 200
+    assert time.monotonic() - started < 60
