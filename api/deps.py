@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
 
@@ -18,6 +20,8 @@ from api.dispatcher import Dispatcher
 from api.errors import ApiError
 from api.executors import Executor
 from api.settings import Settings
+
+log = logging.getLogger(__name__)
 
 # The dependencies are `async def` and do no blocking I/O on the event loop: a plain `def` one costs a
 # trip through the thread pool per request (and a generator two), which was most of a GET's CPU time.
@@ -56,9 +60,20 @@ class CloseSessions:
                     # Not on the routes' threads: they may all be waiting for a pooled connection that
                     # only a close can give back.
                     with anyio.CancelScope(shield=True):
-                        await asyncio.get_running_loop().run_in_executor(_CLOSERS, session.close)
+                        await asyncio.get_running_loop().run_in_executor(_CLOSERS, _close, session)
                 else:
-                    session.close()
+                    _close(session)
+
+
+def _close(session: Session) -> None:
+    """Close without raising: the response is already on its way, and a database that went away while it
+    was made (its rollback fails) must not turn into a dropped connection for the client."""
+    try:
+        session.close()
+    except Exception as exc:
+        log.warning("dropped a database connection that could not be returned: %s", exc)
+        with contextlib.suppress(Exception):
+            session.invalidate()
 
 
 _CLOSERS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tputune-session-close")
