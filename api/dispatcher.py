@@ -15,12 +15,12 @@ from api import jobs as service
 from api.datasets import DatasetUnavailable, StorageUnreachable, check_dataset
 from api.db import session_scope
 from api.executors import Discards, Executor, ExecutorUnavailable, Observation
-from api.models import Job, utcnow
+from api.models import Job, job_spec, utcnow
 from api.observability import Metrics, job_id_var
 from api.settings import Settings
 from api.states import ACTIVE, JobStatus
 from api.validation import job_chips
-from worker.config import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED, JobSpec
+from worker.config import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED
 
 log = logging.getLogger(__name__)
 
@@ -128,14 +128,14 @@ class Dispatcher:
         if max_jobs is None and max_chips is None:
             return None
         active = session.exec(
-            select(Job.spec).where(Job.tenant == job.tenant, col(Job.status).in_(list(ACTIVE)))
+            select(Job.id, Job.spec).where(Job.tenant == job.tenant, col(Job.status).in_(list(ACTIVE)))
         ).all()
         if max_jobs is not None and len(active) >= max_jobs:
             return f"Waiting: {len(active)} jobs of your team are running (limit {max_jobs})."
         if max_chips is not None:
             what = "TPU chips" if self.settings.executor == "kubernetes" else "processes"
-            used = sum(self._chips(spec) for spec in active)
-            needed = self._chips(job.spec)
+            used = sum(self._chips(row) for row in active)
+            needed = self._chips(job)
             if used + needed > max_chips:
                 return (
                     f"Waiting: your team's running jobs hold {used} of its {max_chips} {what}; "
@@ -143,9 +143,9 @@ class Dispatcher:
                 )
         return None
 
-    def _chips(self, spec: Any) -> int:
+    def _chips(self, job: Any) -> int:
         try:
-            return job_chips(JobSpec.model_validate(spec), self.settings)
+            return job_chips(job_spec(job), self.settings)
         except Exception:  # a spec this server's settings no longer accept still holds what it holds
             return 0
 
@@ -220,7 +220,7 @@ class Dispatcher:
         if seen.restarts > job.restarts:
             self._restarted(session, job, seen)
         waited = self._pending_notes.pop(job.id, None) if seen.state != "pending" else None
-        if seen.state == "pending" and seen.held and job.status != JobStatus.cancelling:
+        if seen.state == "pending" and seen.held:
             # Not admitted yet, or preempted by a higher-priority workload: the job waits its turn again.
             reason = seen.reason or "Waiting for quota."
             self._pending_notes[job.id] = reason

@@ -8,6 +8,8 @@ from typing import Any
 from sqlalchemy import JSON, BigInteger, Column, DateTime, Index, Integer, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
+from worker.config import JobSpec
+
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
@@ -127,3 +129,19 @@ class ApiKey(SQLModel, table=True):
     key_hash: str = Field(max_length=64, unique=True)
     created_at: datetime = Field(default_factory=utcnow, sa_type=DateTime(timezone=True), nullable=False)
     revoked_at: datetime | None = _ts()
+
+
+# A job's spec never changes after it is created: validate it once per process, not on every read.
+_SPECS: dict[str, JobSpec] = {}
+_SPECS_MAX = 20_000
+
+
+def job_spec(job: Any) -> JobSpec:
+    """The validated spec of `job` (a Job or a row with its `id` and `spec`; shared: do not modify it)."""
+    spec = _SPECS.get(job.id)
+    if spec is None:
+        spec = JobSpec.model_validate(job.spec)
+        if len(_SPECS) >= _SPECS_MAX:
+            _SPECS.clear()
+        _SPECS[job.id] = spec
+    return spec

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.models import Job, JobEvent, as_utc
+from api.models import Job, JobEvent, as_utc, job_spec
 from worker.config import JobSpec
 
 EXAMPLE_JOB: dict[str, Any] = {
@@ -61,22 +61,6 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
         503: "The database is unreachable; retry.",
     }
     return {code: {"model": ErrorResponse, "description": text[code]} for code in codes}
-
-
-# A job's spec never changes after it is created: validate it once per process, not on every read.
-_SPECS: dict[str, JobSpec] = {}
-_SPECS_MAX = 20_000
-
-
-def job_spec(job: Job) -> JobSpec:
-    """The job's validated spec (shared: do not modify it)."""
-    spec = _SPECS.get(job.id)
-    if spec is None:
-        spec = JobSpec.model_validate(job.spec)
-        if len(_SPECS) >= _SPECS_MAX:
-            _SPECS.clear()
-        _SPECS[job.id] = spec
-    return spec
 
 
 class JobProgress(BaseModel):

@@ -49,14 +49,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import sentencepiece as spm
 from gemma import gm
 
 from worker import model as gemma
 from worker.config import Hyperparameters
 from worker.data import EvalData, TrainData
 from worker.stories import generate_stories
-from worker.tokenizer import END_OF_TURN, START_OF_TURN, Tokenizer
+from worker.tokenizer import Tokenizer, train_bpe_model
 from worker.train import (
     batch_sharding,
     global_batch,
@@ -74,50 +73,20 @@ WARMUP_STEPS = 2
 
 def bench_config(vocab_size: int, args: argparse.Namespace) -> gm.nn.config.TransformerConfig:
     """tiny_config scaled up: 4 layers (Gemma 3's local/global interleave), embed 256."""
-    return gm.nn.config.TransformerConfig(
-        num_embed=vocab_size,
+    return gemma.tiny_config(
+        vocab_size,
+        layers=args.layers,
         embed_dim=args.embed,
         hidden_dim=args.hidden,
         num_heads=args.heads,
-        head_dim=args.embed // args.heads,
-        num_kv_heads=1,
-        final_logit_softcap=None,
-        use_post_attn_norm=True,
-        use_post_ffw_norm=True,
-        use_qk_norm=True,
-        attention_types=(gm.nn.AttentionType.LOCAL_SLIDING,) * (args.layers - 1)
-        + (gm.nn.AttentionType.GLOBAL,),
-        query_pre_attn_norm=gm.nn.config.QueryPreAttentionNormalisation.BY_ONE_OVER_SQRT_HEAD_DIM,
-        sliding_window_size=args.window,
-        transpose_gating_einsum=True,
-        local_base_frequency=10_000,
-        global_base_frequency=1_000_000,
+        sliding_window=args.window,
     )
 
 
 def train_tokenizer(directory: Path, vocab_size: int) -> Tokenizer:
-    prefix = directory / "bench"
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(generate_stories(400, 1)),
-        model_prefix=str(prefix),
-        vocab_size=vocab_size,
-        model_type="bpe",
-        byte_fallback=True,
-        character_coverage=1.0,
-        pad_id=0,
-        eos_id=1,
-        bos_id=2,
-        unk_id=3,
-        user_defined_symbols=[START_OF_TURN, END_OF_TURN],
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        add_dummy_prefix=False,
-        max_sentence_length=1 << 16,
-        num_threads=1,
-        hard_vocab_limit=False,  # the stories hold ~2,300 pieces at most
-        minloglevel=2,
-    )
-    return Tokenizer.load(prefix.with_suffix(".model"))
+    # The stories hold ~2,300 pieces at most: no hard vocabulary limit.
+    stories = generate_stories(400, 1)
+    return Tokenizer.load(train_bpe_model(stories, directory / "bench", vocab_size, hard_vocab_limit=False))
 
 
 class ReferenceLoader:

@@ -55,22 +55,31 @@ class ModelError(Exception):
         self.message = message
 
 
-def tiny_config(vocab_size: int) -> gm.nn.config.TransformerConfig:
-    """A two-layer Gemma 3 (one sliding-window layer, one global) small enough for CPU tests."""
+def tiny_config(
+    vocab_size: int,
+    *,
+    layers: int = 2,
+    embed_dim: int = 128,
+    hidden_dim: int = 256,
+    num_heads: int = 4,
+    sliding_window: int = 32,
+) -> gm.nn.config.TransformerConfig:
+    """A small Gemma 3 for CPU (tests: two layers, one sliding-window and one global; the training
+    benchmark scales it up): sliding-window layers, then one global layer, one KV head."""
     return gm.nn.config.TransformerConfig(
         num_embed=vocab_size,
-        embed_dim=128,
-        hidden_dim=256,
-        num_heads=4,
-        head_dim=32,
+        embed_dim=embed_dim,
+        hidden_dim=hidden_dim,
+        num_heads=num_heads,
+        head_dim=embed_dim // num_heads,
         num_kv_heads=1,
         final_logit_softcap=None,
         use_post_attn_norm=True,
         use_post_ffw_norm=True,
         use_qk_norm=True,
-        attention_types=(gm.nn.AttentionType.LOCAL_SLIDING, gm.nn.AttentionType.GLOBAL),
+        attention_types=(gm.nn.AttentionType.LOCAL_SLIDING,) * (layers - 1) + (gm.nn.AttentionType.GLOBAL,),
         query_pre_attn_norm=gm.nn.config.QueryPreAttentionNormalisation.BY_ONE_OVER_SQRT_HEAD_DIM,
-        sliding_window_size=32,
+        sliding_window_size=sliding_window,
         transpose_gating_einsum=True,
         local_base_frequency=10_000,
         global_base_frequency=1_000_000,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -129,3 +130,33 @@ def _local_copy(uri: str, cache_dir: Path) -> Path:
     finally:
         Path(partial).unlink(missing_ok=True)
     return cached
+
+
+def train_bpe_model(
+    sentences: Iterable[str], prefix: Path, vocab_size: int, *, hard_vocab_limit: bool = True
+) -> Path:
+    """Train a small SentencePiece BPE model in Gemma's conventions (pad 0, eos 1, bos 2, unk 3, the turn
+    markers as single pieces, byte fallback) for the tiny test model and the training benchmark; returns
+    the `.model` path. `hard_vocab_limit=False` accepts a corpus with fewer pieces than `vocab_size`."""
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences),
+        model_prefix=str(prefix),
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        pad_id=0,
+        eos_id=1,
+        bos_id=2,
+        unk_id=3,
+        user_defined_symbols=[START_OF_TURN, END_OF_TURN],
+        # Like Gemma's: text round-trips exactly (newlines and runs of spaces included).
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
+        max_sentence_length=1 << 16,
+        num_threads=1,
+        hard_vocab_limit=hard_vocab_limit,
+        minloglevel=2,
+    )
+    return prefix.with_suffix(".model")

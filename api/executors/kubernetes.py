@@ -23,9 +23,9 @@ from kubernetes.watch import Watch
 from api import jobset as render
 from api import tpu
 from api.executors import ExecutorUnavailable, LaunchRefused, Observation
-from api.models import Job
+from api.models import Job, job_spec
 from api.settings import Settings
-from worker.config import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, JobSpec
+from worker.config import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED
 
 log = logging.getLogger(__name__)
 
@@ -169,18 +169,8 @@ class KubeClient:
 
     def delete_jobset(self, name: str) -> bool:
         """Delete with foreground propagation: the JobSet stays (deleting) until its pods are gone."""
-        try:
-            self._call(
-                self.custom.delete_namespaced_custom_object,
-                *self._jobsets(),
-                name,
-                propagation_policy="Foreground",
-            )
-        except ApiException as exc:
-            if exc.status == 404:
-                return False
-            raise
-        return True
+        fn = self.custom.delete_namespaced_custom_object
+        return self._delete(fn, *self._jobsets(), name, propagation_policy="Foreground")
 
     # --- pods: list, watch; pods/log: get ---
 
@@ -244,15 +234,15 @@ class KubeClient:
         )
 
     def delete_secret(self, name: str) -> bool:
-        return self._delete(self.core.delete_namespaced_secret, name)
+        return self._delete(self.core.delete_namespaced_secret, name, self.namespace)
 
     def delete_config_map(self, name: str) -> bool:
-        return self._delete(self.core.delete_namespaced_config_map, name)
+        return self._delete(self.core.delete_namespaced_config_map, name, self.namespace)
 
-    def _delete(self, fn: Callable[..., Any], name: str) -> bool:
+    def _delete(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
         """False when it was not there."""
         try:
-            self._call(fn, name, self.namespace)
+            self._call(fn, *args, **kwargs)
         except ApiException as exc:
             if exc.status == 404:
                 return False
@@ -673,7 +663,7 @@ class KubernetesExecutor:
                 reason=f"The JobSet {name} was deleted outside tputune (or expired after "
                 "TPUTUNE_K8S_TTL_SECONDS_AFTER_FINISHED while tputune was down).",
             )
-        res = JobSpec.model_validate(job.spec).resources
+        res = job_spec(job).resources
         shape = f"{res.accelerator} {res.topology}"
         return observation_of(
             jobset, self._pods_of(job.id), self._failures.get(job.id), shape, self.settings.k8s_kueue_queue

@@ -15,7 +15,7 @@ import pytest
 import sentencepiece as spm
 
 from worker.stories import generate_stories, write_txt
-from worker.tokenizer import END_OF_TURN, START_OF_TURN, Tokenizer
+from worker.tokenizer import Tokenizer, train_bpe_model
 
 STORY_CORPUS_SIZE = 400
 TINY_VOCAB_SIZE = 1000
@@ -32,27 +32,7 @@ def story_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_tokenizer_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     prefix = tmp_path_factory.mktemp("tokenizer") / "tiny"
     # A different seed from the corpus, so the tests also meet words the tokenizer was not trained on.
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(generate_stories(STORY_CORPUS_SIZE, 1)),
-        model_prefix=str(prefix),
-        vocab_size=TINY_VOCAB_SIZE,
-        model_type="bpe",
-        byte_fallback=True,
-        character_coverage=1.0,
-        pad_id=0,
-        eos_id=1,
-        bos_id=2,
-        unk_id=3,
-        user_defined_symbols=[START_OF_TURN, END_OF_TURN],
-        # Like Gemma's: text round-trips exactly (newlines and runs of spaces included).
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        add_dummy_prefix=False,
-        max_sentence_length=1 << 16,
-        num_threads=1,
-        minloglevel=2,
-    )
-    return prefix.with_suffix(".model")
+    return train_bpe_model(generate_stories(STORY_CORPUS_SIZE, 1), prefix, TINY_VOCAB_SIZE)
 
 
 @pytest.fixture(scope="session")
