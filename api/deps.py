@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated
+from typing import Annotated, Any
 
 import anyio
 from fastapi import Depends, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -79,34 +80,39 @@ def _close(session: Session) -> None:
 _CLOSERS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tputune-session-close")
 
 
-_api_key = HTTPBearer(
-    scheme_name="ApiKey", description="A tputune API key (`tputune keys create`).", auto_error=False
-)
+class _Caller(HTTPBearer):
+    """The caller, from `Authorization: Bearer <key>` or the dashboard's cookie: one dependency that is also
+    the `ApiKey` security scheme of the OpenAPI document (HTTPBearer nested under a resolver, and the tenant
+    under that, were three dependencies to solve per request)."""
+
+    def __init__(self, resolve: Callable[[Principal], Any]) -> None:
+        super().__init__(
+            scheme_name="ApiKey", description="A tputune API key (`tputune keys create`).", auto_error=False
+        )
+        self.resolve = resolve
+
+    async def __call__(self, request: Request) -> Any:  # type: ignore[override]
+        scheme, _, credentials = (request.headers.get("authorization") or "").partition(" ")
+        key = credentials.strip() if scheme.lower() == "bearer" else None
+        key = key or request.cookies.get(COOKIE_NAME)
+        auth: Authenticator = request.app.state.auth
+        principal = auth.authenticate_cached(key)
+        if principal is None:  # a key not looked up in the last few seconds: ask the database
+            principal = await run_in_threadpool(auth.authenticate, key)
+        auth.check_rate(principal)
+        return self.resolve(principal)
 
 
-async def get_principal(
-    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_api_key)]
-) -> Principal:
-    key = credentials.credentials if credentials else request.cookies.get(COOKIE_NAME)
-    auth: Authenticator = request.app.state.auth
-    principal = auth.authenticate_cached(key)
-    if principal is None:  # a key not looked up in the last few seconds: ask the database
-        principal = await run_in_threadpool(auth.authenticate, key)
-    auth.check_rate(principal)
-    return principal
-
-
-PrincipalDep = Annotated[Principal, Depends(get_principal)]
-
-
-async def get_tenant(principal: PrincipalDep) -> str:
-    return principal.tenant
-
-
-async def get_admin(principal: PrincipalDep) -> Principal:
+def _admin(principal: Principal) -> Principal:
     if not principal.is_admin:
         raise ApiError(403, "admin_only", "Only the admin key may manage API keys.")
     return principal
+
+
+get_principal = _Caller(lambda principal: principal)
+get_tenant = _Caller(lambda principal: principal.tenant)
+get_admin = _Caller(_admin)
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
 async def get_executor(request: Request) -> Executor:

@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 
+from api.auth import COOKIE_NAME
 from api.main import create_app
 from api.settings import Settings
 
@@ -62,6 +63,37 @@ def test_job_routes_need_a_key(auth_client: TestClient, dataset: Path) -> None:
     assert auth_client.get("/jobs", headers=bearer("tpt_wrong_key")).status_code == 401
     for path in ("/healthz", "/readyz", "/docs", "/openapi.json"):
         assert auth_client.get(path).status_code == 200, path
+
+
+def test_openapi_declares_who_may_call_each_route(auth_client: TestClient) -> None:
+    spec = auth_client.get("/openapi.json").json()
+    assert spec["components"]["securitySchemes"]["ApiKey"] == {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "A tputune API key (`tputune keys create`).",
+    }
+    declared = {
+        (method, path): [name for requirement in op.get("security", []) for name in requirement]
+        for path, ops in spec["paths"].items()
+        for method, op in ops.items()
+    }
+    assert declared[("post", "/jobs/{job_id}/progress")] == ["JobToken"]
+    for (method, path), schemes in declared.items():
+        if path.startswith(("/jobs", "/admin")) and not path.endswith("/progress"):
+            assert schemes == ["ApiKey"], (method, path)
+        elif path.startswith(("/healthz", "/readyz", "/metrics", "/auth")):
+            assert schemes == [], (method, path)
+
+
+def test_bearer_scheme_is_case_insensitive_and_a_cookie_stands_in(auth_client: TestClient) -> None:
+    key = make_key(auth_client, "alpha")
+    assert auth_client.get("/jobs", headers={"Authorization": f"bearer  {key}"}).status_code == 200
+    assert auth_client.get("/jobs", headers={"Authorization": f"Basic {key}"}).status_code == 401
+    auth_client.cookies.set(COOKIE_NAME, key)
+    try:
+        assert auth_client.get("/jobs", headers={"Authorization": "Basic eDp5"}).status_code == 200
+    finally:
+        auth_client.cookies.clear()
 
 
 def test_tenants_are_isolated(auth_client: TestClient, dataset: Path) -> None:

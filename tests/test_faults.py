@@ -16,7 +16,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+import sqlalchemy as sa
+from sqlalchemy.pool import NullPool
 
+from api import db
+from api.db import make_engine
 from api.migrate import upgrade
 from api.runner import process_start_time
 from api.settings import Settings
@@ -99,6 +103,35 @@ def test_database_restart_under_load(own_postgres: PostgresServer, tmp_path: Pat
     assert max(took for _, took in outage) < 6.0  # bounded by the connect and pool timeouts: no hang
     recovered = [code for t, code, _ in results if t > up_at + 3.0]
     assert recovered and all(code in (200, 201) for code in recovered)
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("idle_ping", [True, False])
+def test_pooled_connection_dropped_while_idle_is_pinged_and_replaced(
+    postgres_db_url: str, monkeypatch: pytest.MonkeyPatch, idle_ping: bool
+) -> None:
+    """Checkouts are not pinged (a round trip per request); a connection idle past IDLE_PING_SECONDS is,
+    and one the server dropped meanwhile is replaced without the request seeing it."""
+    engine = make_engine(postgres_db_url, pool_size=1)
+    killer = sa.create_engine(postgres_db_url, poolclass=NullPool)
+    try:
+        with engine.connect() as connection:
+            first = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        with killer.connect() as connection:
+            assert connection.exec_driver_sql(f"SELECT pg_terminate_backend({first})").scalar()
+        monkeypatch.setattr(db, "IDLE_PING_SECONDS", 0.0 if idle_ping else 3600.0)
+        if idle_ping:
+            with engine.connect() as connection:
+                second = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+            assert second != first
+        else:  # used recently, so not pinged: the statement fails, and the pool drops the connection
+            with pytest.raises(sa.exc.OperationalError), engine.connect() as connection:
+                connection.exec_driver_sql("SELECT pg_backend_pid()")
+            with engine.connect() as connection:
+                assert connection.exec_driver_sql("SELECT pg_backend_pid()").scalar() != first
+    finally:
+        engine.dispose()
+        killer.dispose()
 
 
 CRASH_WORKER = "import os, sys, time; open('launches.log', 'a').write(f'{os.getpid()}\\n'); time.sleep(0.05)"

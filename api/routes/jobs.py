@@ -133,8 +133,8 @@ def list_jobs(
 
 
 @router.get("/{job_id}", response_model=JobPublic, summary="Get a job", responses=_errors)
-def get_job(job_id: str, session: SessionDep, tenant: TenantDep) -> Response:
-    return _json(JobPublic.of(service.read_job(session, tenant, job_id)))
+def get_job(job_id: str, request: Request, tenant: TenantDep) -> Response:
+    return _json(JobPublic.of(service.read_job(request.app.state.engine, tenant, job_id)))
 
 
 @router.post(
