@@ -32,6 +32,7 @@ def serve(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_format == "json")
     upgrade(settings.resolved_database_url)
     app = create_app(settings)
+    _freeze_startup_objects()
     print(f"tputune: serving on http://{settings.host}:{settings.port} (docs at /docs)", flush=True)
     uvicorn.run(
         app,
@@ -42,6 +43,19 @@ def serve(args: argparse.Namespace) -> int:
         timeout_keep_alive=settings.keep_alive_seconds,
     )
     return 0
+
+
+def _freeze_startup_objects() -> None:
+    """Move everything allocated so far (the imported modules, the app) out of the garbage collector's
+    sight. A full collection walked all of it, pausing every request for tens of ms: with 64 clients,
+    p99 of GET /jobs/{id} was ~150 ms with the collector as is, ~70 ms without it."""
+    import gc
+
+    import uvicorn.loops.auto
+    import uvicorn.protocols.http.auto  # noqa: F401  (uvloop and httptools, when installed)
+
+    gc.collect()
+    gc.freeze()
 
 
 def migrate(args: argparse.Namespace) -> int:

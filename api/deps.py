@@ -80,27 +80,36 @@ def _close(session: Session) -> None:
 _CLOSERS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tputune-session-close")
 
 
+async def caller(request: Request) -> Principal:
+    """Who is calling, from `Authorization: Bearer <key>` or the dashboard's cookie; the key's rate limit
+    applied. Routes get it through the dependencies below; the busiest one calls it itself."""
+    scheme, _, credentials = (request.headers.get("authorization") or "").partition(" ")
+    key = credentials.strip() if scheme.lower() == "bearer" else None
+    key = key or request.cookies.get(COOKIE_NAME)
+    auth: Authenticator = request.app.state.auth
+    principal = auth.authenticate_cached(key)
+    if principal is None:  # a key not looked up in the last few seconds: ask the database
+        principal = await run_in_threadpool(auth.authenticate, key)
+    auth.check_rate(principal)
+    return principal
+
+
 class _Caller(HTTPBearer):
-    """The caller, from `Authorization: Bearer <key>` or the dashboard's cookie: one dependency that is also
-    the `ApiKey` security scheme of the OpenAPI document (HTTPBearer nested under a resolver, and the tenant
-    under that, were three dependencies to solve per request)."""
+    """`caller` as one dependency that is also the `ApiKey` security scheme of the OpenAPI document
+    (HTTPBearer nested under a resolver, and the tenant under that, were three to solve per request)."""
 
     def __init__(self, resolve: Callable[[Principal], Any]) -> None:
-        super().__init__(
-            scheme_name="ApiKey", description="A tputune API key (`tputune keys create`).", auto_error=False
-        )
+        super().__init__(scheme_name=API_KEY_SCHEME, description=API_KEY_DESCRIPTION, auto_error=False)
         self.resolve = resolve
 
     async def __call__(self, request: Request) -> Any:  # type: ignore[override]
-        scheme, _, credentials = (request.headers.get("authorization") or "").partition(" ")
-        key = credentials.strip() if scheme.lower() == "bearer" else None
-        key = key or request.cookies.get(COOKIE_NAME)
-        auth: Authenticator = request.app.state.auth
-        principal = auth.authenticate_cached(key)
-        if principal is None:  # a key not looked up in the last few seconds: ask the database
-            principal = await run_in_threadpool(auth.authenticate, key)
-        auth.check_rate(principal)
-        return self.resolve(principal)
+        return self.resolve(await caller(request))
+
+
+API_KEY_SCHEME = "ApiKey"
+API_KEY_DESCRIPTION = "A tputune API key (`tputune keys create`)."
+# For a route that calls `caller` itself: the security requirement its dependency would have declared.
+API_KEY_REQUIRED: dict[str, Any] = {"security": [{API_KEY_SCHEME: []}]}
 
 
 def _admin(principal: Principal) -> Principal:
