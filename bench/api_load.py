@@ -587,6 +587,18 @@ def bulk_insert(engine: Engine, template_id: str, count: int) -> float:
     return time.monotonic() - started
 
 
+def refresh_statistics(engine: Engine) -> None:
+    """PostgreSQL: VACUUM ANALYZE the tables the bulk insert grew. Otherwise autovacuum does it during the
+    next phase (measured: PostgreSQL at 113% CPU through `list first page` with 20,000 jobs and idle in
+    the next one), which measures the insert, not the list. A table that grows as jobs come runs it in
+    small steps."""
+    if engine.dialect.name != "postgresql":
+        return
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        for table in (JOBS, EVENTS, METADATA):
+            conn.exec_driver_sql(f"VACUUM ANALYZE {table.name}")
+
+
 def deep_cursor(engine: Engine) -> str:
     """The id of the DEEP_FROM_END-th oldest job: `after` it, a full page and more follow."""
     mine = JOBS.c.tenant == "default"
@@ -727,6 +739,7 @@ def run_database(kind: str, args: argparse.Namespace, base: Path) -> dict[str, A
 
         extra = args.jobs_large - SMALL_JOBS
         took = bulk_insert(engine, rest[0], extra)
+        refresh_statistics(engine)
         stored = count_jobs(engine)
         result["bulk_insert"] = {
             "jobs": extra,
@@ -751,8 +764,14 @@ def run_database(kind: str, args: argparse.Namespace, base: Path) -> dict[str, A
             cpu,
         )
 
+        # The ceiling again, just before and just after GET: the machine's speed drifts by a third over
+        # minutes (a shared VM), and the first healthz phase was measured minutes earlier.
+        healthz = Phase("healthz, before GET", "GET", "/healthz", 200)
+        phases["healthz_before_get"] = measure(server, healthz, args, workdir, cpu)
         get_phase = Phase("GET /jobs/{id}", "GET", f"/jobs/{ingest_ids[0]}", 200)
         phases["get_job"] = measure(server, get_phase, args, workdir, cpu)
+        healthz.name = "healthz, after GET"
+        phases["healthz_after_get"] = measure(server, healthz, args, workdir, cpu)
         if args.paced_fraction and phases["get_job"]["rps"]:
             get_phase.name += " paced"
             get_phase.rate = args.paced_fraction * phases["get_job"]["rps"]
@@ -830,14 +849,18 @@ def targets(phases: dict[str, Any]) -> dict[str, Any]:
     """The brief's targets, each {value, target, met}; `info` entries explain and are not targets."""
     healthz, get, post = phases["healthz"], phases["get_job"], phases["post_job"]
     ingest = phases["progress_ingest"]
+    around = [phases[k]["rps"] for k in ("healthz_before_get", "healthz_after_get") if k in phases]
+    ceiling = sum(around) / len(around) if around else healthz["rps"]
 
     def answered(phase: dict[str, Any]) -> bool:
         return bool(phase["requests"]) and not phase["server_stalled"]
 
     checks: dict[str, Any] = {}
-    ratio = get["rps"] / healthz["rps"] if healthz["rps"] else 0.0
+    ratio = get["rps"] / ceiling if ceiling else 0.0
     checks["get_vs_healthz"] = {
         "value": round(ratio, 3),
+        "ceiling_rps": round(ceiling, 1),
+        "ceiling": "mean of healthz just before and just after GET /jobs/{id}",
         "target": f">= {TARGET_GET_VS_HEALTHZ}",
         "met": ratio >= TARGET_GET_VS_HEALTHZ,
     }
