@@ -33,6 +33,11 @@ class ApiError(Exception):
         self.headers = headers
 
 
+class DatabaseUnavailable(Exception):
+    """The database did not answer a read made outside SQLAlchemy (api.reader): a 503, as for SQLAlchemy's
+    OperationalError."""
+
+
 def not_found(job_id: str) -> ApiError:
     return ApiError(404, "job_not_found", f"No job with id '{job_id}'. List your jobs with GET /jobs.")
 
@@ -99,6 +104,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(OperationalError)
     @app.exception_handler(PoolTimeout)
+    @app.exception_handler(DatabaseUnavailable)
     async def _database_away(_request: Request, exc: Exception) -> JSONResponse:
         log.warning("database unavailable: %s", type(exc).__name__)
         return JSONResponse(

@@ -140,18 +140,26 @@ def get_job(session: Session, tenant: str, job_id: str) -> Job:
     return job
 
 
+# The columns a job's public view needs (not its token hash or launch record).
+JOB_COLUMNS = (
+    "id, name, status, status_message, model, method, executor, spec, created_at, started_at, finished_at, "
+    "step, total_steps, epoch, eta_seconds, loss, eval_loss, learning_rate, tokens_per_second, "
+    "trained_tokens, restarts, error_code, error_message, output_uri, checkpoint_uri"
+)
+
+
 _table = Job.__table__  # type: ignore[attr-defined]
-_READ_JOB = select(_table).where(_table.c.id == bindparam("job_id"), _table.c.tenant == bindparam("tenant"))
+_READ_JOB = select(*(_table.c[name.strip()] for name in JOB_COLUMNS.split(","))).where(
+    _table.c.id == bindparam("job_id"), _table.c.tenant == bindparam("tenant")
+)
 
 
-def read_job(engine: Engine, tenant: str, job_id: str) -> Any:
-    """The job as a plain row (the `Job` columns as attributes), for reading only: no ORM object, no
-    session, no transaction, and a statement built once (building it cost more than running it)."""
+def read_job_row(engine: Engine, tenant: str, job_id: str) -> Any | None:
+    """The job as a plain row (the `JOB_COLUMNS` as attributes), or None; for reading only: no ORM
+    object, no session, no transaction, and a statement built once (building it cost more than running
+    it)."""
     with read_connection(engine) as connection:
-        row = connection.execute(_READ_JOB, {"job_id": job_id, "tenant": tenant}).first()
-    if row is None:
-        raise not_found(job_id)
-    return row
+        return connection.execute(_READ_JOB, {"job_id": job_id, "tenant": tenant}).first()
 
 
 def list_jobs(

@@ -18,6 +18,7 @@ from api.deps import CloseSessions
 from api.dispatcher import Dispatcher
 from api.executors import Closeable, make_executor
 from api.observability import Metrics, RequestContext
+from api.reader import make_reader
 from api.routes import dashboard, health, jobs, keys
 from api.settings import Settings
 
@@ -96,6 +97,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
     engine = engine or make_engine(settings.resolved_database_url, settings.database_pool_size)
     executor = make_executor(settings)
     metrics = Metrics(engine)
+    job_reader = make_reader(engine)
     leader = None
     if settings.dispatcher_enabled and settings.executor == "kubernetes":
         from api.leader import make_leader  # imports the Kubernetes client, which local use never needs
@@ -127,10 +129,12 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
                 leader.stop()
             if isinstance(executor, Closeable):
                 executor.close()
+            await job_reader.close()
 
     app = FastAPI(title="tputune", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
     app.state.engine = engine
+    app.state.job_reader = job_reader
     app.state.executor = executor
     app.state.dispatcher = dispatcher
     app.state.leader = leader

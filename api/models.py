@@ -137,10 +137,14 @@ _SPECS_MAX = 20_000
 
 
 def job_spec(job: Any) -> JobSpec:
-    """The validated spec of `job` (a Job or a row with its `id` and `spec`; shared: do not modify it)."""
+    """The validated spec of `job` (a Job or a row with its `id` and `spec`, a dict or its JSON text);
+    shared: do not modify it."""
     spec = _SPECS.get(job.id)
     if spec is None:
-        spec = JobSpec.model_validate(job.spec)
+        if isinstance(job.spec, str):
+            spec = JobSpec.model_validate_json(job.spec)
+        else:
+            spec = JobSpec.model_validate(job.spec)
         if len(_SPECS) >= _SPECS_MAX:
             _SPECS.clear()
         _SPECS[job.id] = spec

@@ -28,7 +28,7 @@ What runs, per database:
   a job the API and dispatcher made (same spec, metadata row and its three events, new id/name/times).
 
 Phases (each `--seconds` long after a 2 s warm-up whose leftover requests are drained first,
-`--concurrency` connections, one wrk thread): healthz (the framework's ceiling: a sync route returning a
+`--concurrency` connections, one wrk thread): healthz (the framework's ceiling: an async route returning a
 small model), GET /jobs?limit=50 first page and deep cursor (100th-oldest job) with 1,000 jobs, the same
 with --jobs-large jobs, GET /jobs/{id}, progress ingest, POST /jobs; GET /jobs/{id} and POST /jobs again
 "paced" (`--paced-fraction`: each client pauses so that together they ask for half the rate reached flat

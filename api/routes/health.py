@@ -25,7 +25,9 @@ def metrics(request: Request) -> PlainTextResponse:
 
 
 @router.get("/healthz", response_model=Health, summary="The process is up")
-def healthz() -> Health:
+async def healthz() -> Health:
+    # On the event loop: a liveness probe must not queue behind busy route threads (and bench/api_load.py
+    # measures routes against it as the framework's ceiling).
     return Health(status="ok")
 
 

@@ -10,12 +10,11 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
-from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from api import jobs as service
 from api.deps import API_KEY_REQUIRED, DispatcherDep, ExecutorDep, SessionDep, SettingsDep, TenantDep, caller
-from api.errors import ApiError
+from api.errors import ApiError, not_found
 from api.executors import FollowsLogs
 from api.schemas import (
     EXAMPLE_JOB,
@@ -142,13 +141,12 @@ def list_jobs(
 )
 async def get_job(job_id: str, request: Request) -> Response:
     # The route clients poll: it authenticates itself instead of through a dependency (solving one cost a
-    # quarter of the route's CPU time), then reads on a worker thread.
+    # quarter of the route's CPU time) and reads on the event loop (see api.reader).
     tenant = (await caller(request)).tenant
-    return await run_in_threadpool(_read_job, request.app.state.engine, tenant, job_id)
-
-
-def _read_job(engine: Engine, tenant: str, job_id: str) -> Response:
-    return _json(JobPublic.of(service.read_job(engine, tenant, job_id)))
+    row = await request.app.state.job_reader.read_job(tenant, job_id)
+    if row is None:
+        raise not_found(job_id)
+    return _json(JobPublic.of(row))
 
 
 @router.post(

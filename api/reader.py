@@ -1,0 +1,225 @@
+"""Reads for `GET /jobs/{id}`, the route clients poll, without a trip through the thread pool.
+
+A sync read handed to a worker thread cost more than the read itself: measured at 64 clients on 2 cores,
+GET /jobs/{id} took 1.1 ms of CPU per request against 0.5 ms for /healthz, most of the difference in
+thread hand-offs and the GIL passing back and forth. So the read runs on the event loop:
+
+- SQLite: inline, with sqlite3 itself. A primary-key lookup in a local file takes tens of microseconds,
+  and in WAL mode a reader does not wait for writers.
+- PostgreSQL: psycopg's async connection, a small pool of its own in autocommit (one round trip per read,
+  the statement prepared by psycopg after a few uses). About 0.1 ms of CPU per read against 0.5 ms for
+  the same statement through SQLAlchemy on a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+import time
+from collections import deque, namedtuple
+from datetime import datetime
+from typing import Any, Protocol
+
+from sqlalchemy.engine import Engine
+
+from api import db
+from api.errors import DatabaseUnavailable
+from api.jobs import JOB_COLUMNS, read_job_row
+
+
+class JobReader(Protocol):
+    async def read_job(self, tenant: str, job_id: str) -> Any | None:
+        """The job as a row with the `Job` columns above as attributes, or None."""
+
+    async def close(self) -> None: ...
+
+
+class InlineReader:
+    """SQLite in memory (tests): the read through the engine, on the event loop."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def read_job(self, tenant: str, job_id: str) -> Any | None:
+        return read_job_row(self.engine, tenant, job_id)
+
+    async def close(self) -> None:
+        pass
+
+
+_FIELDS: list[str] = [name.strip() for name in JOB_COLUMNS.split(",")]
+_JobRow = namedtuple("_JobRow", _FIELDS)  # type: ignore[misc]
+_TIMES = [i for i, name in enumerate(_FIELDS) if name.endswith("_at")]
+
+
+class SqliteReader:
+    """SQLite file: the read on the event loop, on a connection of its own (sqlite3 without SQLAlchemy's
+    layers, a third of the route's time through them). Times come back as SQLAlchemy stores them (ISO
+    text, UTC); the spec stays JSON text until `job_spec` needs it (once per job and process)."""
+
+    STATEMENT = f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = ? AND tenant = ?"
+
+    def __init__(self, path: str, busy_timeout: float = 2.0) -> None:
+        self.path = path
+        self.busy_timeout = busy_timeout
+        self._connection: sqlite3.Connection | None = None
+
+    async def read_job(self, tenant: str, job_id: str) -> Any | None:
+        try:
+            if self._connection is None:
+                # In WAL mode (the engine sets it) a reader does not wait for writers; a lock held for
+                # long (a migration) answers 503 after busy_timeout rather than stalling the loop longer.
+                self._connection = sqlite3.connect(
+                    self.path, timeout=self.busy_timeout, check_same_thread=False, isolation_level=None
+                )
+            values = self._connection.execute(self.STATEMENT, (job_id, tenant)).fetchone()
+        except sqlite3.OperationalError as exc:
+            raise DatabaseUnavailable(str(exc)) from exc
+        if values is None:
+            return None
+        values = list(values)
+        for i in _TIMES:
+            if values[i] is not None:
+                values[i] = datetime.fromisoformat(values[i])
+        return _JobRow._make(values)
+
+    async def close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+
+class PostgresReader:
+    """Up to `size` psycopg async connections, opened on first use, reused most recent first.
+
+    A pooled connection the server dropped (a restart) fails its statement: the read is tried once more
+    on a new connection, so the request does not see it. While the database is away a read fails within
+    the connect timeout (`DatabaseUnavailable`, a 503) and does not hang: waiting for a free connection
+    and the statement itself have time limits too.
+    """
+
+    STATEMENT = f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = %s AND tenant = %s"
+
+    def __init__(
+        self,
+        conninfo: str,
+        size: int = 8,
+        *,
+        connect_timeout: float = 3.0,
+        wait_timeout: float = 5.0,
+        statement_timeout: float = 10.0,
+    ) -> None:
+        self.conninfo = conninfo
+        self.size = size
+        self.connect_timeout = connect_timeout
+        self.wait_timeout = wait_timeout
+        self.statement_timeout = statement_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._idle: deque[tuple[Any, float]] = deque()  # (connection, idle since), most recent last
+        self._slots = asyncio.Semaphore(size)
+
+    @classmethod
+    def for_engine(cls, engine: Engine, size: int = 8) -> PostgresReader:
+        url = engine.url.set(drivername="postgresql")
+        return cls(url.render_as_string(hide_password=False), size)
+
+    def _bind(self) -> None:
+        # Connections and the semaphore belong to one event loop; a new loop (a test's second client,
+        # a restarted server) starts afresh.
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._discard_all()
+            self._loop = loop
+            self._slots = asyncio.Semaphore(self.size)
+
+    async def read_job(self, tenant: str, job_id: str) -> Any | None:
+        self._bind()
+        if self._slots.locked():  # every connection busy: wait for one, for a while
+            try:
+                async with asyncio.timeout(self.wait_timeout):
+                    await self._slots.acquire()
+            except TimeoutError as exc:
+                raise DatabaseUnavailable("no free database connection") from exc
+        else:
+            await self._slots.acquire()
+        try:
+            return await self._read(tenant, job_id)
+        finally:
+            self._slots.release()
+
+    async def _read(self, tenant: str, job_id: str) -> Any | None:
+        import psycopg
+
+        for attempt in (1, 2):
+            connection, pooled = await self._checkout()
+            try:
+                async with asyncio.timeout(self.statement_timeout):
+                    cursor = await connection.execute(self.STATEMENT, (job_id, tenant))
+                    row = await cursor.fetchone()
+            except psycopg.OperationalError as exc:
+                await _close(connection)
+                if pooled and attempt == 1:
+                    continue  # dropped while pooled (idle or not): once more, on a new connection
+                raise DatabaseUnavailable(str(exc)) from exc
+            except TimeoutError as exc:
+                await _close(connection)
+                raise DatabaseUnavailable("the database did not answer in time") from exc
+            except BaseException:
+                await _close(connection)  # cancelled mid-statement: its state is unknown
+                raise
+            self._idle.append((connection, time.monotonic()))
+            return row
+        raise AssertionError("unreachable")
+
+    async def _checkout(self) -> tuple[Any, bool]:
+        import psycopg
+        from psycopg.rows import namedtuple_row
+
+        while self._idle:
+            connection, since = self._idle.pop()
+            if connection.closed:
+                continue
+            if time.monotonic() - since >= db.IDLE_PING_SECONDS:
+                # Long idle (as for the sync pool): a server restart or a NAT timeout may have dropped it.
+                try:
+                    async with asyncio.timeout(self.connect_timeout):
+                        await connection.execute("SELECT 1")
+                except (psycopg.OperationalError, TimeoutError):
+                    await _close(connection)
+                    continue
+            return connection, True
+        try:
+            connection = await psycopg.AsyncConnection.connect(
+                self.conninfo,
+                autocommit=True,
+                row_factory=namedtuple_row,
+                connect_timeout=max(1, round(self.connect_timeout)),
+            )
+        except psycopg.OperationalError as exc:
+            raise DatabaseUnavailable(str(exc)) from exc
+        return connection, False
+
+    def _discard_all(self) -> None:
+        while self._idle:
+            connection, _ = self._idle.pop()
+            connection.pgconn.finish()  # no await: its loop may be gone
+
+    async def close(self) -> None:
+        while self._idle:
+            connection, _ = self._idle.pop()
+            await _close(connection)
+
+
+async def _close(connection: Any) -> None:
+    with contextlib.suppress(Exception):
+        await connection.close()
+
+
+def make_reader(engine: Engine) -> JobReader:
+    if engine.dialect.name == "postgresql":
+        return PostgresReader.for_engine(engine)
+    database = engine.url.database
+    if database and database != ":memory:" and not database.startswith("file:"):
+        return SqliteReader(database)
+    return InlineReader(engine)

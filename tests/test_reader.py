@@ -1,0 +1,91 @@
+"""GET /jobs/{id} reads on the event loop (api.reader): the same answer as the other routes, and the
+PostgreSQL reader's own pool survives a dropped connection and a database that is away."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from fastapi.testclient import TestClient
+from sqlalchemy.pool import NullPool
+
+from api.errors import DatabaseUnavailable
+from api.migrate import upgrade
+from api.reader import InlineReader, PostgresReader, SqliteReader, make_reader
+from tests.support.postgres import PostgresServer
+from tests.test_faults import own_postgres  # noqa: F401  (a fixture: a server this test may stop)
+from tests.test_progress import metrics, post, started_job
+
+
+def test_get_answers_as_the_list_does(client: TestClient, dataset: Path) -> None:
+    """The polled route reads with the driver itself; the list reads through SQLAlchemy: every field of a
+    running job with progress, metrics, a checkpoint and times must come out the same."""
+    reader = client.app.state.job_reader  # type: ignore[attr-defined]
+    backend = client.app.state.engine.dialect.name  # type: ignore[attr-defined]
+    assert isinstance(reader, PostgresReader if backend == "postgresql" else SqliteReader)
+    job_id, token = started_job(client, dataset)
+    post(client, job_id, token, [metrics(3, 2.5), {"kind": "eval", "step": 3, "eval_loss": 2.7}])
+    post(client, job_id, token, [{"kind": "checkpoint", "step": 3, "uri": "/x/ckpt/3", "loss": 2.5}])
+    client.post(f"/jobs/{job_id}/cancel")  # cancel_requested: still running, until the worker stops
+    fetched = client.get(f"/jobs/{job_id}")
+    assert fetched.status_code == 200
+    listed = {job["id"]: job for job in client.get("/jobs").json()["data"]}
+    assert fetched.json() == listed[job_id]
+    assert fetched.json()["started_at"].endswith(("Z", "+00:00"))
+    assert fetched.json()["checkpoint_uri"] == "/x/ckpt/3"
+    assert client.get("/jobs/ft-nope").json()["error"]["code"] == "job_not_found"
+
+
+def test_sqlite_in_memory_reads_through_the_engine() -> None:
+    engine = sa.create_engine("sqlite://")
+    assert isinstance(make_reader(engine), InlineReader)
+
+
+async def _read(reader: PostgresReader, job_id: str) -> object:
+    return await reader.read_job("default", job_id)
+
+
+@pytest.mark.postgres
+def test_postgres_reader_replaces_a_connection_the_server_dropped(postgres_db_url: str) -> None:
+    upgrade(postgres_db_url)
+    engine = sa.create_engine(postgres_db_url, poolclass=NullPool)
+    reader = PostgresReader.for_engine(engine, size=1)
+
+    async def scenario() -> None:
+        assert await _read(reader, "ft-none") is None
+        ((connection, _),) = reader._idle
+        first = connection.info.backend_pid
+        with engine.connect() as killer:
+            assert killer.exec_driver_sql(f"SELECT pg_terminate_backend({first})").scalar()
+        assert await _read(reader, "ft-none") is None  # retried on a new connection, unseen by the caller
+        ((connection, _),) = reader._idle
+        assert connection.info.backend_pid != first
+        await reader.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.postgres
+def test_postgres_reader_fails_fast_while_the_database_is_away(
+    own_postgres: PostgresServer,  # noqa: F811
+) -> None:
+    url = own_postgres.create_database("reader")
+    upgrade(url)
+    reader = PostgresReader.for_engine(sa.create_engine(url, poolclass=NullPool), size=2)
+
+    async def scenario() -> None:
+        assert await _read(reader, "ft-none") is None
+        own_postgres.stop("fast")  # (immediate would lose the migration: the test server skips fsync)
+        for _ in range(3):  # the pooled connection is gone, then no new one can be opened
+            started = time.monotonic()
+            with pytest.raises(DatabaseUnavailable):
+                await _read(reader, "ft-none")
+            assert time.monotonic() - started < 4.0
+        own_postgres.start()
+        assert await _read(reader, "ft-none") is None  # back without a restart of the reader
+        await reader.close()
+
+    asyncio.run(scenario())
