@@ -6,9 +6,11 @@ thread hand-offs and the GIL passing back and forth. So the read runs on the eve
 
 - SQLite: inline, with sqlite3 itself. A primary-key lookup in a local file takes tens of microseconds,
   and in WAL mode a reader does not wait for writers.
-- PostgreSQL: psycopg's async connection, a small pool of its own in autocommit (one round trip per read,
-  the statement prepared by psycopg after a few uses). About 0.1 ms of CPU per read against 0.5 ms for
-  the same statement through SQLAlchemy on a worker thread.
+- PostgreSQL: psycopg's async connections, a few of its own in autocommit, and the reads asked for
+  while they are busy answered together by one statement (see `PostgresReader`).
+
+Measured with bench/api_load.py (64 clients, 2 cores): GET /jobs/{id} went from ~860 to ~4,500 req/s
+on SQLite and ~4,800 on PostgreSQL.
 """
 
 from __future__ import annotations
@@ -91,72 +93,101 @@ class SqliteReader:
 
 
 class PostgresReader:
-    """Up to `size` psycopg async connections, opened on first use, reused most recent first.
+    """Reads on up to `size` psycopg async connections of its own, opened on first use.
 
-    A pooled connection the server dropped (a restart) fails its statement: the read is tried once more
-    on a new connection, so the request does not see it. While the database is away a read fails within
-    the connect timeout (`DatabaseUnavailable`, a 503) and does not hang: waiting for a free connection
-    and the statement itself have time limits too.
+    Reads asked for while every connection is busy are answered together by the next statement
+    (`WHERE id = ANY(...)`): at 64 clients on 2 cores one statement answers several requests, where a
+    statement per request cost more CPU than the rest of the route. An idle server still runs each read
+    at once, on its own.
+
+    A pooled connection the server dropped (a restart) fails its statement: it is tried once more on a
+    new connection, so the requests do not see it. While the database is away a read fails within the
+    connect timeout (`DatabaseUnavailable`, a 503) and does not hang: the statement has a time limit too.
     """
 
-    STATEMENT = f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = %s AND tenant = %s"
+    STATEMENT = f"SELECT {JOB_COLUMNS}, tenant FROM jobs WHERE id = ANY(%s)"
 
     def __init__(
         self,
         conninfo: str,
-        size: int = 8,
+        size: int = 4,
         *,
         connect_timeout: float = 3.0,
-        wait_timeout: float = 5.0,
-        statement_timeout: float = 10.0,
+        statement_timeout: float = 5.0,
     ) -> None:
         self.conninfo = conninfo
         self.size = size
         self.connect_timeout = connect_timeout
-        self.wait_timeout = wait_timeout
         self.statement_timeout = statement_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle: deque[tuple[Any, float]] = deque()  # (connection, idle since), most recent last
-        self._slots = asyncio.Semaphore(size)
+        self._waiting: list[tuple[str, str, asyncio.Future[Any]]] = []  # (tenant, job id, answer)
+        self._running = 0  # statements in flight
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
-    def for_engine(cls, engine: Engine, size: int = 8) -> PostgresReader:
+    def for_engine(cls, engine: Engine, size: int = 4) -> PostgresReader:
         url = engine.url.set(drivername="postgresql")
         return cls(url.render_as_string(hide_password=False), size)
 
-    def _bind(self) -> None:
-        # Connections and the semaphore belong to one event loop; a new loop (a test's second client,
-        # a restarted server) starts afresh.
+    def _bind(self) -> asyncio.AbstractEventLoop:
+        # Connections belong to one event loop; a new loop (a test's second client) starts afresh.
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             self._discard_all()
             self._loop = loop
-            self._slots = asyncio.Semaphore(self.size)
+            self._waiting, self._running, self._tasks = [], 0, set()
+        return loop
 
     async def read_job(self, tenant: str, job_id: str) -> Any | None:
-        self._bind()
-        if self._slots.locked():  # every connection busy: wait for one, for a while
-            try:
-                async with asyncio.timeout(self.wait_timeout):
-                    await self._slots.acquire()
-            except TimeoutError as exc:
-                raise DatabaseUnavailable("no free database connection") from exc
-        else:
-            await self._slots.acquire()
-        try:
-            return await self._read(tenant, job_id)
-        finally:
-            self._slots.release()
+        loop = self._bind()
+        answer: asyncio.Future[Any] = loop.create_future()
+        self._waiting.append((tenant, job_id, answer))
+        if self._running < self.size:
+            self._start(loop)
+        return await answer
 
-    async def _read(self, tenant: str, job_id: str) -> Any | None:
+    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        batch, self._waiting = self._waiting, []
+        self._running += 1
+        # A task of its own: a request that goes away (its client hung up) does not take the others'
+        # answers with it.
+        task = loop.create_task(self._answer(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _answer(self, batch: list[tuple[str, str, asyncio.Future[Any]]]) -> None:
+        try:
+            rows = await self._read([job_id for _, job_id, _ in batch])
+        except BaseException as exc:
+            for _, _, answer in batch:
+                if not answer.done():
+                    answer.set_exception(
+                        exc if isinstance(exc, Exception) else DatabaseUnavailable("stopped")
+                    )
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            found = {row.id: row for row in rows}
+            for tenant, job_id, answer in batch:
+                row = found.get(job_id)
+                if not answer.done():
+                    # Another tenant's job is not found, as everywhere (a 404, not a 403).
+                    answer.set_result(row if row is not None and row.tenant == tenant else None)
+        finally:
+            self._running -= 1
+            if self._waiting and self._loop is asyncio.get_running_loop():
+                self._start(self._loop)
+
+    async def _read(self, job_ids: list[str]) -> list[Any]:
         import psycopg
 
         for attempt in (1, 2):
             connection, pooled = await self._checkout()
             try:
                 async with asyncio.timeout(self.statement_timeout):
-                    cursor = await connection.execute(self.STATEMENT, (job_id, tenant))
-                    row = await cursor.fetchone()
+                    cursor = await connection.execute(self.STATEMENT, (job_ids,))
+                    rows = await cursor.fetchall()
             except psycopg.OperationalError as exc:
                 await _close(connection)
                 if pooled and attempt == 1:
@@ -169,7 +200,7 @@ class PostgresReader:
                 await _close(connection)  # cancelled mid-statement: its state is unknown
                 raise
             self._idle.append((connection, time.monotonic()))
-            return row
+            return rows
         raise AssertionError("unreachable")
 
     async def _checkout(self) -> tuple[Any, bool]:
@@ -206,6 +237,8 @@ class PostgresReader:
             connection.pgconn.finish()  # no await: its loop may be gone
 
     async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
         while self._idle:
             connection, _ = self._idle.pop()
             await _close(connection)

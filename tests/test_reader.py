@@ -48,6 +48,55 @@ async def _read(reader: PostgresReader, job_id: str) -> object:
     return await reader.read_job("default", job_id)
 
 
+def _insert_jobs(url: str, jobs: list[tuple[str, str]]) -> None:
+    engine = sa.create_engine(url, poolclass=NullPool)
+    with engine.begin() as connection:
+        for job_id, tenant in jobs:
+            connection.execute(
+                sa.text(
+                    "INSERT INTO jobs (id, tenant, name, status, model, method, spec, executor, created_at,"
+                    " updated_at, step, trained_tokens, restarts, output_uri) VALUES (:id, :tenant, 'n',"
+                    " 'queued', 'tiny', 'lora', '{}', 'local', now(), now(), 0, 0, 0, '/out')"
+                ),
+                {"id": job_id, "tenant": tenant},
+            )
+
+
+@pytest.mark.postgres
+def test_postgres_reads_asked_together_share_a_statement(postgres_db_url: str) -> None:
+    """With its one connection busy, the reads asked meanwhile are answered by the next statement: each
+    gets its own job, another tenant's job is not found, and a request that goes away takes no other
+    request's answer with it."""
+    upgrade(postgres_db_url)
+    jobs = [(f"ft-{i}", "a" if i % 2 else "b") for i in range(12)]
+    _insert_jobs(postgres_db_url, jobs)
+    reader = PostgresReader.for_engine(sa.create_engine(postgres_db_url, poolclass=NullPool), size=1)
+    batches: list[int] = []
+    read_many = reader._read
+
+    async def counted(job_ids: list[str]) -> list[object]:
+        batches.append(len(job_ids))
+        return await read_many(job_ids)
+
+    reader._read = counted  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        asks = [(tenant, job_id) for job_id, tenant in jobs] + [("a", "ft-0"), ("b", "ft-1"), ("a", "ft-x")]
+        tasks = [asyncio.create_task(reader.read_job(tenant, job_id)) for tenant, job_id in asks]
+        gone = asyncio.create_task(reader.read_job("a", "ft-3"))
+        await asyncio.sleep(0)
+        gone.cancel()
+        rows = await asyncio.gather(*tasks)
+        for (tenant, job_id), row in zip(asks[:12], rows[:12], strict=True):
+            assert row is not None and (row.id, row.tenant) == (job_id, tenant)
+        assert rows[12:] == [None, None, None]  # other tenants' jobs, and no such job
+        assert (await reader.read_job("a", "ft-3")).id == "ft-3"
+        await reader.close()
+
+    asyncio.run(scenario())
+    assert batches[0] == 1 and sum(batches[:2]) == 16 and len(batches) == 3, batches
+
+
 @pytest.mark.postgres
 def test_postgres_reader_replaces_a_connection_the_server_dropped(postgres_db_url: str) -> None:
     upgrade(postgres_db_url)
@@ -81,8 +130,10 @@ def test_postgres_reader_fails_fast_while_the_database_is_away(
         own_postgres.stop("fast")  # (immediate would lose the migration: the test server skips fsync)
         for _ in range(3):  # the pooled connection is gone, then no new one can be opened
             started = time.monotonic()
-            with pytest.raises(DatabaseUnavailable):
-                await _read(reader, "ft-none")
+            together = await asyncio.gather(
+                *(_read(reader, "ft-none") for _ in range(5)), return_exceptions=True
+            )
+            assert all(isinstance(error, DatabaseUnavailable) for error in together), together
             assert time.monotonic() - started < 4.0
         own_postgres.start()
         assert await _read(reader, "ft-none") is None  # back without a restart of the reader
