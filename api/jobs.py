@@ -142,14 +142,15 @@ def get_job(session: Session, tenant: str, job_id: str) -> Job:
 
 # The columns a job's public view needs (not its token hash or launch record).
 JOB_COLUMNS = (
-    "id, name, status, status_message, model, method, executor, spec, created_at, started_at, finished_at, "
-    "step, total_steps, epoch, eta_seconds, loss, eval_loss, learning_rate, tokens_per_second, "
-    "trained_tokens, restarts, error_code, error_message, output_uri, checkpoint_uri"
+    *("id", "name", "status", "status_message", "model", "method", "executor", "spec"),
+    *("created_at", "started_at", "finished_at", "step", "total_steps", "epoch", "eta_seconds", "loss"),
+    *("eval_loss", "learning_rate", "tokens_per_second", "trained_tokens", "restarts", "error_code"),
+    *("error_message", "output_uri", "checkpoint_uri"),
 )
 
 
 _table = Job.__table__  # type: ignore[attr-defined]
-_READ_JOB = select(*(_table.c[name.strip()] for name in JOB_COLUMNS.split(","))).where(
+_READ_JOB = select(*(_table.c[name] for name in JOB_COLUMNS)).where(
     _table.c.id == bindparam("job_id"), _table.c.tenant == bindparam("tenant")
 )
 
