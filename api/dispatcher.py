@@ -24,7 +24,8 @@ from worker.config import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED
 
 log = logging.getLogger(__name__)
 
-BATCH = 20
+# Jobs of each kind (queued; starting, running or cancelling) one pass takes at most.
+PAGE = 200
 
 
 class Dispatcher:
@@ -44,6 +45,9 @@ class Dispatcher:
         self.metrics = metrics
         self.executor = executor
         self.settings = settings
+        # Where the next pass starts, per kind of job (see _page), and the tenants' active jobs this pass.
+        self._cursor: dict[str, int] = {}
+        self._tenant_jobs: dict[str, list[Any]] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -66,31 +70,49 @@ class Dispatcher:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            more = False
             try:
-                self.tick()
+                more = self.tick()
             except Exception:
                 log.exception("dispatcher pass failed; retrying")
-            self._wake.wait(self.settings.dispatch_interval_seconds)
+            if not more:  # a pass that took a full page of jobs goes on at once (a burst of submissions)
+                self._wake.wait(self.settings.dispatch_interval_seconds)
             self._wake.clear()
 
-    def tick(self) -> None:
+    def tick(self) -> bool:
+        """One pass; True if it left jobs for the next one (it takes `PAGE` jobs of each kind at most)."""
         if self.is_leader is not None and not self.is_leader():
-            return
+            return False
+        more = False
+        self._tenant_jobs.clear()
         with session_scope(self.engine) as session:
             try:
-                for job in self._jobs(session, [JobStatus.queued]):
+                queued, more_queued = self._page(session, "queued", [JobStatus.queued])
+                for job in queued:
                     self._guard(session, job, self._claim)
-                for job in self._jobs(session, [JobStatus.starting, JobStatus.running, JobStatus.cancelling]):
+                active, more_active = self._page(session, "active", list(ACTIVE))
+                for job in active:
                     self._guard(session, job, self._follow)
+                more = more_queued or more_active
             except ExecutorUnavailable as exc:
                 # Every other job would wait on it too: end this pass, the next one retries.
                 log.warning("%s; retrying on the next pass", exc)
         if self.metrics is not None:
             self.metrics.last_pass.set_to_current_time()
+        return more
 
-    def _jobs(self, session: Session, statuses: list[JobStatus]) -> list[Job]:
-        query = select(Job).where(col(Job.status).in_(statuses), Job.executor == self.executor.name)
-        return list(session.exec(query.order_by(col(Job.seq)).limit(BATCH * 10)).all())
+    def _page(self, session: Session, kind: str, statuses: list[JobStatus]) -> tuple[list[Job], bool]:
+        """The next `PAGE` jobs in `statuses`, oldest first, after where the last pass of this kind stopped
+        (so jobs past the first page, behind ones held by a tenant cap say, get their turn); and whether
+        it stopped short of the end."""
+        after = self._cursor.get(kind, 0)
+        query = select(Job).where(
+            col(Job.status).in_(statuses), Job.executor == self.executor.name, col(Job.seq) > after
+        )
+        jobs = list(session.exec(query.order_by(col(Job.seq)).limit(PAGE)).all())
+        more = len(jobs) == PAGE
+        self._cursor[kind] = (jobs[-1].seq or 0) if more else 0
+        return jobs, more
 
     def _guard(self, session: Session, job: Job, step: Any) -> None:
         token = job_id_var.set(job.id)
@@ -120,6 +142,8 @@ class Dispatcher:
             self._note(session, job, waiting)
             return
         if service.transition(session, job, JobStatus.starting, "Checking the dataset."):
+            if job.tenant in self._tenant_jobs:
+                self._tenant_jobs[job.tenant].append(job)
             self._launch(session, job)
 
     def _over_tenant_cap(self, session: Session, job: Job) -> str | None:
@@ -127,9 +151,12 @@ class Dispatcher:
         max_jobs, max_chips = self.settings.tenant_max_active_jobs, self.settings.tenant_max_active_chips
         if max_jobs is None and max_chips is None:
             return None
-        active = session.exec(
-            select(Job.id, Job.spec).where(Job.tenant == job.tenant, col(Job.status).in_(list(ACTIVE)))
-        ).all()
+        active = self._tenant_jobs.get(job.tenant)
+        if active is None:  # once per tenant and pass; the jobs it starts are added (_claim)
+            statement = select(Job.id, Job.spec).where(
+                Job.tenant == job.tenant, col(Job.status).in_(list(ACTIVE))
+            )
+            active = self._tenant_jobs[job.tenant] = list(session.exec(statement).all())
         if max_jobs is not None and len(active) >= max_jobs:
             return f"Waiting: {len(active)} jobs of your team are running (limit {max_jobs})."
         if max_chips is not None:

@@ -21,6 +21,7 @@ from api.observability import Metrics, RequestContext
 from api.reader import make_reader
 from api.routes import dashboard, health, jobs, keys
 from api.settings import Settings
+from api.writer import make_writer
 
 DESCRIPTION = """Fine-tune Gemma 3 with JAX: on a GKE TPU slice as a JobSet, or as local worker processes.
 
@@ -110,6 +111,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
     )
     if leader is not None and dispatcher is not None:
         leader.on_change = lambda _leading: dispatcher.wake()  # a new leader takes over at once
+    job_writer = make_writer(engine, on_commit=dispatcher.wake if dispatcher is not None else None)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -123,6 +125,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
         try:
             yield
         finally:
+            job_writer.close()
             if dispatcher is not None:
                 dispatcher.stop()
             if leader is not None:
@@ -135,6 +138,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
     app.state.settings = settings
     app.state.engine = engine
     app.state.job_reader = job_reader
+    app.state.job_writer = job_writer
     app.state.executor = executor
     app.state.dispatcher = dispatcher
     app.state.leader = leader

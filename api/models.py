@@ -136,6 +136,13 @@ _SPECS: dict[str, JobSpec] = {}
 _SPECS_MAX = 20_000
 
 
+def remember_spec(job_id: str, spec: JobSpec) -> None:
+    """Cache the spec a new job was created with (it was validated on its way in)."""
+    if len(_SPECS) >= _SPECS_MAX:
+        _SPECS.clear()
+    _SPECS[job_id] = spec
+
+
 def job_spec(job: Any) -> JobSpec:
     """The validated spec of `job` (a Job or a row with its `id` and `spec`, a dict or its JSON text);
     shared: do not modify it."""

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from sqlmodel import Session
 
 from api import jobs as service
-from api.deps import API_KEY_REQUIRED, DispatcherDep, ExecutorDep, SessionDep, SettingsDep, TenantDep, caller
+from api.deps import API_KEY_REQUIRED, DispatcherDep, ExecutorDep, SessionDep, TenantDep, caller
 from api.errors import ApiError, not_found
 from api.executors import FollowsLogs
 from api.schemas import (
@@ -87,23 +87,22 @@ _PROGRESS_EXAMPLE = {
         422: {"model": ErrorResponse, "description": "The spec is invalid; `error.code` says how."},
     },
 )
-def create_job(
+async def create_job(
     spec: Annotated[
         JobCreate, Body(openapi_examples={"lora": {"summary": "LoRA on a TPU slice", "value": EXAMPLE_JOB}})
     ],
-    session: SessionDep,
-    settings: SettingsDep,
+    request: Request,
     tenant: TenantDep,
-    dispatcher: DispatcherDep,
     idempotency_key: Annotated[
         str | None,
         Header(max_length=255, description="Retry-safe creation: the same key and body return the same job."),
     ] = None,
 ) -> Response:
-    job, created = service.create_job(session, spec, settings, tenant, idempotency_key)
-    if created and dispatcher is not None:
-        dispatcher.wake()
-    return _json(JobPublic.of(job), 201 if created else 200)
+    # On the event loop: the checks are CPU work (and a realpath of local paths); the write waits for the
+    # job writer (api.writer), which stores the jobs of concurrent requests in one transaction.
+    new = service.prepare_job(spec, request.app.state.settings, tenant, idempotency_key)
+    outcome = await request.app.state.job_writer.create(new)
+    return _json(JobPublic.of(outcome.job), 201 if outcome.created else 200)
 
 
 @router.get("", response_model=JobPage, summary="List jobs, newest first", responses=error_responses(400))
