@@ -28,7 +28,7 @@ from sqlmodel import Session, col, select
 
 from api.db import read_connection
 from api.errors import ApiError, not_found
-from api.models import IdempotencyKey, Job, JobEvent, JobMetadata, as_utc, remember_spec, utcnow
+from api.models import IdempotencyKey, Job, JobEvent, JobMetadata, as_utc, utcnow
 from api.settings import Settings
 from api.states import FINAL, JobStatus, check_transition
 from api.validation import check_spec
@@ -134,7 +134,6 @@ def prepare_job(spec: JobSpec, settings: Settings, tenant: str, idempotency_key:
         created_at=now,
         updated_at=now,
     )
-    remember_spec(job_id, spec)
     return NewJob(tenant, spec, row, idempotency_key, request_hash)
 
 

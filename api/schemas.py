@@ -106,10 +106,12 @@ class JobPublic(BaseModel):
     spec: JobSpec
 
     @classmethod
-    def of(cls, job: Job) -> JobPublic:
+    def of(cls, job: Job, spec: JobSpec | None = None) -> JobPublic:
+        """`job` (a Job or a row with its columns) as the API shows it; `spec`: its spec if at hand (a
+        new job's), else validated once and cached (`job_spec`)."""
         # Built without validation: every value comes from the database row, typed by the model, and
         # validating 50 jobs per page was a third of a list call's CPU time.
-        spec = job_spec(job)
+        spec = spec or job_spec(job)
         fraction = None
         if job.total_steps:
             fraction = min(1.0, job.step / job.total_steps)

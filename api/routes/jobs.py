@@ -102,7 +102,9 @@ async def create_job(
     # job writer (api.writer), which stores the jobs of concurrent requests in one transaction.
     new = service.prepare_job(spec, request.app.state.settings, tenant, idempotency_key)
     outcome = await request.app.state.job_writer.create(new)
-    return _json(JobPublic.of(outcome.job), 201 if outcome.created else 200)
+    if outcome.created:  # its spec as validated here (not cached: a new job may never be read again)
+        return _json(JobPublic.of(outcome.job, new.spec), 201)
+    return _json(JobPublic.of(outcome.job))
 
 
 @router.get("", response_model=JobPage, summary="List jobs, newest first", responses=error_responses(400))
