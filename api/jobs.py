@@ -144,9 +144,6 @@ _CREATED_EVENT = {"type": "status", "level": "info", "message": "Job created and
 _CREATED_DATA = {"status": "queued"}
 
 _jobs = Job.__table__  # type: ignore[attr-defined]
-_INSERT_JOBS = insert(_jobs).returning(_jobs.c.seq, sort_by_parameter_order=True)
-_INSERT_METADATA = insert(JobMetadata.__table__)  # type: ignore[attr-defined]
-_INSERT_EVENTS = insert(JobEvent.__table__)  # type: ignore[attr-defined]
 _INSERT_KEYS = insert(IdempotencyKey.__table__)  # type: ignore[attr-defined]
 
 
@@ -188,7 +185,7 @@ def write_jobs(connection: Connection, batch: Sequence[NewJob]) -> list[Outcome 
         if connection.dialect.name == "postgresql":
             _insert_postgres(connection, news)
         else:
-            _insert(connection, news)
+            _insert_sqlite(connection, news)
         for i in fresh:
             row = batch[i].row
             outcomes[i] = Outcome(JobRow._make([row.get(name) for name in JOB_COLUMNS]), True)
@@ -200,20 +197,43 @@ def write_jobs(connection: Connection, batch: Sequence[NewJob]) -> list[Outcome 
     return outcomes  # type: ignore[return-value]
 
 
-def _insert(connection: Connection, news: Sequence[NewJob]) -> None:
-    """The new jobs, their first events, metadata and idempotency keys: a statement per table."""
-    seqs = [seq for (seq,) in connection.execute(_INSERT_JOBS, [new.row for new in news])]
-    events: list[dict[str, Any]] = []
-    metadata: list[dict[str, Any]] = []
-    for new, seq in zip(news, seqs, strict=True):
-        events.append(
-            {"job_seq": seq, "created_at": new.row["created_at"], "data": _CREATED_DATA, **_CREATED_EVENT}
-        )
-        metadata.extend({"job_seq": seq, "key": k, "value": v} for k, v in new.spec.metadata.items())
-    connection.execute(_INSERT_EVENTS, events)
+def _insert_sqlite(connection: Connection, news: Sequence[NewJob]) -> None:
+    """The new jobs, their first events and metadata: an executemany per table, in sqlite3's own loop
+    (through SQLAlchemy's insert, RETURNING the new seqs, the writer spent 0.1 ms per job). The events
+    and metadata find their job's seq by its id. Values as SQLAlchemy stores them: times as text in UTC,
+    JSON as text."""
+    rows: list[tuple[Any, ...]] = []
+    events: list[tuple[Any, ...]] = []
+    metadata: list[tuple[Any, ...]] = []
+    for new in news:
+        row = new.row
+        created_at = row["created_at"].strftime(_SQLITE_TIME)
+        spec = json.dumps(row["spec"])
+        rows.append((*[row[name] for name in _SQLITE_JOB_COLUMNS], spec, created_at, created_at))
+        events.append((created_at, *_SQLITE_CREATED_EVENT, new.id))
+        metadata.extend((key, value, new.id) for key, value in new.spec.metadata.items())
+    connection.exec_driver_sql(_SQLITE_INSERT_JOBS, rows)
+    connection.exec_driver_sql(_SQLITE_INSERT_EVENTS, events)
     if metadata:
-        connection.execute(_INSERT_METADATA, metadata)
+        connection.exec_driver_sql(_SQLITE_INSERT_METADATA, metadata)
     _insert_keys(connection, news)
+
+
+_SQLITE_TIME = "%Y-%m-%d %H:%M:%S.%f"  # SQLAlchemy's storage format for DateTime on SQLite
+_SQLITE_JOB_COLUMNS = ["id", "tenant", "name", "status", "model", "method", "executor", "status_message"]
+_SQLITE_JOB_COLUMNS += ["output_uri", "step", "trained_tokens", "restarts"]
+_SQLITE_INSERT_JOBS = (
+    f"INSERT INTO jobs ({', '.join(_SQLITE_JOB_COLUMNS)}, spec, created_at, updated_at) "
+    f"VALUES ({', '.join('?' * (len(_SQLITE_JOB_COLUMNS) + 3))})"
+)
+_SQLITE_INSERT_EVENTS = (
+    "INSERT INTO job_events (job_seq, created_at, type, level, message, data) "
+    "SELECT seq, ?, ?, ?, ?, ? FROM jobs WHERE id = ?"
+)
+_SQLITE_CREATED_EVENT = (*_CREATED_EVENT.values(), json.dumps(_CREATED_DATA))
+_SQLITE_INSERT_METADATA = (
+    "INSERT INTO job_metadata (job_seq, key, value) SELECT seq, ?, ? FROM jobs WHERE id = ?"
+)
 
 
 def _insert_keys(connection: Connection, news: Sequence[NewJob]) -> None:

@@ -13,8 +13,8 @@ from worker.config import TINY_MODEL, JobSpec
 
 
 def _under_roots(path: str, roots: list[Path]) -> bool:
-    real = Path(os.path.realpath(path))
-    return any(real == root or root in real.parents for root in roots)
+    real = os.path.realpath(path)
+    return any(real == str(root) or real.startswith(os.path.join(root, "")) for root in roots)
 
 
 def check_local_paths(spec: JobSpec, settings: Settings) -> None:
