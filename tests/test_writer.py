@@ -1,0 +1,150 @@
+"""The job writer (api.writer): concurrent creates share a transaction, each request gets its own answer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.exc import OperationalError
+from sqlmodel import Session
+
+from api import dispatcher as dispatcher_module
+from api import jobs as service
+from api.db import make_engine
+from api.dispatcher import Dispatcher
+from api.errors import ApiError
+from api.executors import make_executor
+from api.jobs import NewJob, Outcome, read_job_row
+from api.schemas import JobCreate, JobPublic
+from api.settings import Settings
+from api.writer import JobWriter
+
+
+def _spec(dataset: Path, name: str, **extra: Any) -> JobCreate:
+    return JobCreate.model_validate(
+        {"name": name, "model": "gemma3-270m-pt", "dataset_uri": str(dataset), **extra}
+    )
+
+
+def _count(engine: sa.Engine, sql: str, **params: Any) -> int:
+    with engine.connect() as connection:
+        return int(connection.execute(sa.text(sql), params).scalar_one())
+
+
+def test_concurrent_creates_share_transactions_and_get_their_own_answers(
+    make_settings: Callable[..., Settings], dataset: Path
+) -> None:
+    settings = make_settings(dispatcher_enabled=False)
+    engine = make_engine(settings.resolved_database_url)
+    # A key stored before: a request that repeats it gets that job back.
+    earlier, _ = service.create_job(
+        Session(engine), _spec(dataset, "earlier"), settings, "alpha", idempotency_key="old"
+    )
+    commits: list[int] = []
+    writer = JobWriter(engine, on_commit=lambda: commits.append(1))
+
+    def new(name: str, tenant: str = "alpha", key: str | None = None, **extra: Any) -> NewJob:
+        return service.prepare_job(_spec(dataset, name, **extra), settings, tenant, key)
+
+    plain = [new(f"job-{i}", metadata={"run": str(i), "team": "nlp"}) for i in range(40)]
+    twice_a, twice_b = new("same", key="k1"), new("same", key="k1")  # the same key and body twice
+    clash = new("different", key="k1")  # the same key, another body: 409
+    repeat = new("earlier", key="old")  # the same key and body as a job stored before: that job
+    other_tenant = new("same", tenant="beta", key="k1")  # keys are per tenant
+    batch = [*plain, twice_a, twice_b, clash, repeat, other_tenant]
+
+    async def create_all() -> list[Outcome | BaseException]:
+        return await asyncio.gather(*(writer.create(n) for n in batch), return_exceptions=True)
+
+    try:
+        results = asyncio.run(create_all())
+    finally:
+        writer.close()
+        engine.dispose()
+
+    outcomes = dict(zip([id(n) for n in batch], results, strict=True))
+    assert len(commits) < len(plain)  # batched: fewer commits than jobs
+    for n in plain:
+        outcome = outcomes[id(n)]
+        assert isinstance(outcome, Outcome) and outcome.created and outcome.job.id == n.id
+        stored = read_job_row(engine, "alpha", n.id)
+        assert stored is not None
+        # The response made from the new row is what a later read shows.
+        assert JobPublic.of(outcome.job, n.spec).model_dump() == JobPublic.of(stored).model_dump()
+        assert _count(engine, "SELECT count(*) FROM jobs WHERE id = :id", id=n.id) == 1
+    first, second = outcomes[id(twice_a)], outcomes[id(twice_b)]
+    assert isinstance(first, Outcome) and isinstance(second, Outcome)
+    assert first.created and not second.created and second.job.id == first.job.id
+    assert isinstance(outcomes[id(clash)], ApiError) and outcomes[id(clash)].code == "idempotency_key_reused"  # type: ignore[union-attr]
+    again = outcomes[id(repeat)]
+    assert isinstance(again, Outcome) and not again.created and again.job.id == earlier.id
+    beta = outcomes[id(other_tenant)]
+    assert isinstance(beta, Outcome) and beta.created and beta.job.id != first.job.id
+
+    created = len(plain) + 2  # + the first "same" of alpha and beta's
+    assert _count(engine, "SELECT count(*) FROM jobs") == created + 1  # + the earlier job
+    # Each new job: its metadata rows and one "created" event, tied to its own seq.
+    assert _count(engine, "SELECT count(*) FROM job_metadata") == 2 * len(plain)
+    mismatched = """SELECT count(*) FROM job_metadata m JOIN jobs j ON j.seq = m.job_seq
+                    WHERE m.key = 'run' AND j.name != 'job-' || m.value"""
+    assert _count(engine, mismatched) == 0
+    events = "SELECT count(*) FROM job_events WHERE type = 'status' AND message = 'Job created and queued.'"
+    assert _count(engine, events) == created + 1
+    assert _count(engine, "SELECT count(*) FROM idempotency_keys") == 3  # old, alpha's k1, beta's k1
+    engine.dispose()
+
+
+def test_a_database_that_is_away_fails_each_request_and_the_writer_goes_on(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path / "state", allow_tiny_model=True)
+    settings.ensure_dirs()
+    dataset = settings.data_dir / "train.txt"
+    # A database file the writer cannot open: every write fails, none hangs.
+    engine = make_engine(f"sqlite:///{tmp_path / 'missing-dir' / 'x' / 'tputune.db'}")
+    (tmp_path / "missing-dir" / "x").rmdir()
+    (tmp_path / "missing-dir" / "x").write_text("a file where the database's directory should be")
+    writer = JobWriter(engine)
+
+    async def create(count: int) -> list[Any]:
+        news = [service.prepare_job(_spec(dataset, f"j{i}"), settings, "alpha") for i in range(count)]
+        return await asyncio.wait_for(
+            asyncio.gather(*(writer.create(n) for n in news), return_exceptions=True), timeout=30
+        )
+
+    try:
+        for count in (5, 1):
+            assert all(isinstance(r, OperationalError) for r in asyncio.run(create(count)))
+    finally:
+        writer.close()
+
+
+def test_dispatcher_passes_page_through_more_jobs_than_one_pass_takes(
+    make_settings: Callable[..., Settings], dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass takes PAGE queued jobs; the next passes go on from there (at once), so jobs behind a page
+    of held ones get their turn, then the next pass starts over from the oldest."""
+    monkeypatch.setattr(dispatcher_module, "PAGE", 5)
+    settings = make_settings()
+    engine = make_engine(settings.resolved_database_url)
+    with Session(engine) as session:
+        ids = [
+            service.create_job(session, _spec(dataset, f"j{i}"), settings, "alpha")[0].id for i in range(12)
+        ]
+
+    seen: list[str] = []
+
+    class Recording(Dispatcher):
+        def _claim(self, session: Any, job: Any) -> None:  # every job is held: it stays queued
+            seen.append(job.id)
+
+    dispatcher = Recording(engine, make_executor(settings), settings)
+    try:
+        assert [dispatcher.tick() for _ in range(3)] == [True, True, False]
+        assert seen == ids
+        seen.clear()
+        assert dispatcher.tick() is True and seen == ids[:5]  # a new round starts at the oldest
+    finally:
+        engine.dispose()
