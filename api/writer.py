@@ -54,25 +54,32 @@ class JobWriter:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Outcome] = loop.create_future()
         with self._lock:
-            if self._closed:
-                raise RuntimeError("the job writer is closed")
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="tputune-job-writer", daemon=True)
-                self._thread.start()
             self._waiting.append((new, future, loop))
+            if self._thread is None:
+                self._start()
             self._ready.notify()
         # A client that goes away does not cancel the write: the job may be stored all the same, as it
         # would be had it gone away a moment later (a retry with its Idempotency-Key finds it).
         return await asyncio.shield(future)
 
     def close(self) -> None:
-        """Write what is waiting, then stop the thread."""
+        """Write what is waiting, then stop the thread (a later create starts another: an app's lifespan
+        may run more than once, in tests)."""
         with self._lock:
             self._closed = True
             self._ready.notify()
             thread = self._thread
         if thread is not None:
             thread.join(timeout=30)
+        with self._lock:
+            self._closed = False
+            self._thread = None
+            if self._waiting:  # asked for while the thread stopped
+                self._start()
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="tputune-job-writer", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
         while True:
