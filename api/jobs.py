@@ -46,8 +46,6 @@ from worker.protocol import (
     WarningReport,
 )
 
-_ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
-
 
 def new_job_id() -> str:
     # Lowercase letters and digits (base32: a-z, 2-7), 60 random bits: the id names Kubernetes objects
@@ -141,9 +139,8 @@ def prepare_job(spec: JobSpec, settings: Settings, tenant: str, idempotency_key:
 _NEW_ROW: dict[str, Any] = {"status": JobStatus.queued.value, "status_message": QUEUED_MESSAGE}
 _NEW_ROW.update(step=0, trained_tokens=0, restarts=0)
 _CREATED_EVENT = {"type": "status", "level": "info", "message": "Job created and queued."}
-_CREATED_DATA = {"status": "queued"}
+_CREATED_DATA_JSON = json.dumps({"status": "queued"})
 
-_jobs = Job.__table__  # type: ignore[attr-defined]
 _INSERT_KEYS = insert(IdempotencyKey.__table__)  # type: ignore[attr-defined]
 
 
@@ -230,7 +227,7 @@ _SQLITE_INSERT_EVENTS = (
     "INSERT INTO job_events (job_seq, created_at, type, level, message, data) "
     "SELECT seq, ?, ?, ?, ?, ? FROM jobs WHERE id = ?"
 )
-_SQLITE_CREATED_EVENT = (*_CREATED_EVENT.values(), json.dumps(_CREATED_DATA))
+_SQLITE_CREATED_EVENT = (*_CREATED_EVENT.values(), _CREATED_DATA_JSON)
 _SQLITE_INSERT_METADATA = (
     "INSERT INTO job_metadata (job_seq, key, value) SELECT seq, ?, ? FROM jobs WHERE id = ?"
 )
@@ -287,8 +284,8 @@ def _insert_postgres(connection: Connection, news: Sequence[NewJob]) -> None:
     columns["spec"] = [json.dumps(spec) for spec in columns["spec"]]
     seq_of: dict[str, int] = dict(connection.exec_driver_sql(_PG_INSERT_JOBS, columns).all())
     seqs = [seq_of[new.id] for new in news]
-    event = {**_CREATED_EVENT, "data": json.dumps(_CREATED_DATA)}
-    connection.exec_driver_sql(_PG_INSERT_EVENTS, {**event, "seq": seqs, "created_at": columns["created_at"]})
+    event = {**_CREATED_EVENT, "data": _CREATED_DATA_JSON, "seq": seqs, "created_at": columns["created_at"]}
+    connection.exec_driver_sql(_PG_INSERT_EVENTS, event)
     metadata: dict[str, list[Any]] = {"seq": [], "key": [], "value": []}
     for new, seq in zip(news, seqs, strict=True):
         for key, value in new.spec.metadata.items():
@@ -354,14 +351,9 @@ def get_job(session: Session, tenant: str, job_id: str) -> Job:
 
 
 _table = Job.__table__  # type: ignore[attr-defined]
-_READ_JOB = select(*(_table.c[name] for name in JOB_COLUMNS)).where(
-    _table.c.id == bindparam("job_id"), _table.c.tenant == bindparam("tenant")
-)
-
-
-_READ_JOBS = select(*(_table.c[name] for name in JOB_COLUMNS)).where(
-    _table.c.id.in_(bindparam("ids", expanding=True))
-)
+_SELECT_JOBS = select(*(_table.c[name] for name in JOB_COLUMNS))
+_READ_JOB = _SELECT_JOBS.where(_table.c.id == bindparam("job_id"), _table.c.tenant == bindparam("tenant"))
+_READ_JOBS = _SELECT_JOBS.where(_table.c.id.in_(bindparam("ids", expanding=True)))
 
 
 def read_job_row(engine: Engine, tenant: str, job_id: str) -> Any | None:

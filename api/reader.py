@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import sqlite3
 import time
-from collections import deque, namedtuple
+from collections import deque
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -27,7 +27,7 @@ from sqlalchemy.engine import Engine
 
 from api import db
 from api.errors import DatabaseUnavailable
-from api.jobs import JOB_COLUMNS, read_job_row
+from api.jobs import JOB_COLUMNS, JobRow, read_job_row
 
 
 class JobReader(Protocol):
@@ -51,7 +51,6 @@ class InlineReader:
 
 
 _COLUMNS = ", ".join(JOB_COLUMNS)
-_JobRow = namedtuple("_JobRow", JOB_COLUMNS)  # type: ignore[misc]
 _TIMES = [i for i, name in enumerate(JOB_COLUMNS) if name.endswith("_at")]
 
 
@@ -84,7 +83,7 @@ class SqliteReader:
         for i in _TIMES:
             if values[i] is not None:
                 values[i] = datetime.fromisoformat(values[i])
-        return _JobRow._make(values)
+        return JobRow._make(values)
 
     async def close(self) -> None:
         if self._connection is not None:

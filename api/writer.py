@@ -105,9 +105,6 @@ class JobWriter:
             with self.engine.begin() as connection:
                 return list(write_jobs(connection, batch))
         except IntegrityError:
-            if len(batch) == 1 and batch[0].idempotency_key is None:
-                log.exception("could not store job %s", batch[0].id)
-                return [_FAILED]
             # Another writer (an API replica) stored one of these Idempotency-Keys after write_jobs looked:
             # write each job on its own, so only the requests that lost the race see the winner's job.
             return [self._write_one(new) for new in batch]
