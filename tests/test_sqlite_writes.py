@@ -1,0 +1,113 @@
+"""SQLite writes of one process queue on a lock (api.db.SerializedWrites), not in SQLite's busy handler.
+
+Each connection here has SQLite's busy timeout set to 0: a writer that met the database locked would fail
+at once with "database is locked" if the lock did not make it wait for the other writer's commit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+
+from api.db import make_engine
+
+
+def _engine(path: Path) -> Engine:
+    engine = make_engine(f"sqlite:///{path}")
+
+    @event.listens_for(engine, "connect")
+    def _no_busy_wait(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.execute("PRAGMA busy_timeout=0")
+
+    with engine.begin() as connection:
+        connection.exec_driver_sql("CREATE TABLE t (k INTEGER PRIMARY KEY, who TEXT)")
+    return engine
+
+
+def _insert_in_thread(engine: Engine, key: int, who: str) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with engine.begin() as connection:
+                connection.exec_driver_sql("INSERT INTO t VALUES (?, ?)", (key, who))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, errors
+
+
+def test_a_writer_waits_for_the_open_write_transaction_then_commits(tmp_path: Path) -> None:
+    engine = _engine(tmp_path / "db.sqlite")
+    with engine.connect() as holder:
+        holder.exec_driver_sql("INSERT INTO t VALUES (1, 'first')")  # holds the write lock, uncommitted
+        thread, errors = _insert_in_thread(engine, 2, "second")
+        thread.join(timeout=0.5)
+        assert thread.is_alive(), f"the second writer did not wait: {errors}"
+        holder.commit()
+        thread.join(timeout=10)
+    assert not thread.is_alive() and errors == []
+    with engine.connect() as connection:
+        rows = connection.exec_driver_sql("SELECT k, who FROM t ORDER BY k").all()
+    assert [tuple(row) for row in rows] == [(1, "first"), (2, "second")]
+
+
+def test_reads_do_not_wait_for_a_writer(tmp_path: Path) -> None:
+    engine = _engine(tmp_path / "db.sqlite")
+    with engine.connect() as holder, engine.connect() as reader:
+        holder.exec_driver_sql("INSERT INTO t VALUES (1, 'open')")
+        started = time.monotonic()
+        assert reader.exec_driver_sql("SELECT count(*) FROM t").scalar() == 0  # WAL: the last commit
+        assert time.monotonic() - started < 1
+        holder.rollback()
+
+
+@pytest.mark.parametrize("end", ["rollback", "failed statement", "close"])
+def test_the_lock_is_let_go_however_the_transaction_ends(tmp_path: Path, end: str) -> None:
+    engine = _engine(tmp_path / "db.sqlite")
+    with engine.begin() as connection:
+        connection.exec_driver_sql("INSERT INTO t VALUES (1, 'x')")
+    holder = engine.connect()
+    if end == "failed statement":
+        with pytest.raises(IntegrityError):
+            holder.exec_driver_sql("INSERT INTO t VALUES (1, 'duplicate')")
+        holder.rollback()
+    else:
+        holder.exec_driver_sql("INSERT INTO t VALUES (2, 'x')")
+        if end == "rollback":
+            holder.rollback()
+        else:
+            holder.invalidate()  # closes the DBAPI connection itself, mid-transaction
+    thread, errors = _insert_in_thread(engine, 3, "next")
+    thread.join(timeout=10)
+    holder.close()
+    assert not thread.is_alive() and errors == []
+
+
+def test_many_threads_writing_at_once_all_commit(tmp_path: Path) -> None:
+    engine = _engine(tmp_path / "db.sqlite")
+    threads = [_insert_in_thread(engine, key, f"t{key}") for key in range(32)]
+    for thread, _ in threads:
+        thread.join(timeout=30)
+    assert [errors for _, errors in threads if errors] == []
+    with engine.connect() as connection:
+        assert connection.exec_driver_sql("SELECT count(*) FROM t").scalar() == 32
+
+
+def test_separate_database_files_do_not_share_a_lock(tmp_path: Path) -> None:
+    first, second = _engine(tmp_path / "a.sqlite"), _engine(tmp_path / "b.sqlite")
+    with first.connect() as holder:
+        holder.exec_driver_sql("INSERT INTO t VALUES (1, 'a')")
+        thread, errors = _insert_in_thread(second, 1, "b")
+        thread.join(timeout=10)
+        assert not thread.is_alive() and errors == []
+        holder.rollback()
