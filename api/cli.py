@@ -40,6 +40,7 @@ def serve(args: argparse.Namespace) -> int:
         port=settings.port,
         log_level=settings.log_level.lower(),
         log_config=None,
+        access_log=False,  # RequestContext writes the access log (with the request id)
         timeout_keep_alive=settings.keep_alive_seconds,
     )
     return 0

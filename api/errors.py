@@ -7,7 +7,9 @@ from typing import Any, get_args
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.constants import REF_PREFIX
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 from pydantic_core.core_schema import ErrorType
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -76,6 +78,47 @@ def validation_response(errors: list[Any]) -> JSONResponse:
     message = "; ".join(f"{d['param']}: {d['message']}" for d in details)
     param = details[0]["param"] if len(details) == 1 else None
     return JSONResponse(status_code=422, content=_body(code, message, param, details))
+
+
+_JSON_TYPES = ("/json", "+json")
+
+
+async def read_json_body[Model: BaseModel](request: Request, model: type[Model]) -> Model:
+    """The body as `model`, parsed and validated in one pass by pydantic, with the errors FastAPI gives
+    for a body parameter (422; `param` names the field). For a hot route: FastAPI's own parsing (json.loads,
+    then validating the dict) and parameter solving cost more than the validation itself. Declare the body
+    in the route's `openapi_extra` with `json_body(model)`."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if not content_type.startswith("application/") or not content_type.endswith(_JSON_TYPES):
+        raise ApiError(
+            422, "invalid_request", "Send the body as JSON, with Content-Type: application/json.", "body"
+        )
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise RequestValidationError(
+            [{**error, "loc": ("body", *error["loc"])} for error in exc.errors(include_url=False)]
+        ) from None
+
+
+def json_body(model: type[BaseModel], examples: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`openapi_extra` declaring a required JSON body of `model` (`add_schemas` puts the model's schema in
+    the document's components)."""
+    media: dict[str, Any] = {"schema": {"$ref": f"{REF_PREFIX}{model.__name__}"}}
+    if examples:
+        media["examples"] = examples
+    return {"requestBody": {"required": True, "content": {"application/json": media}}}
+
+
+def add_schemas(document: dict[str, Any], models: list[type[BaseModel]]) -> None:
+    """Put the schemas of `models` (read by routes themselves, so FastAPI did not) and of the models they
+    use into the OpenAPI document's components, as FastAPI would have."""
+    components = document.setdefault("components", {}).setdefault("schemas", {})
+    for model in models:
+        schema = model.model_json_schema(ref_template=REF_PREFIX + "{model}")
+        for name, definition in schema.pop("$defs", {}).items():
+            components.setdefault(name, definition)
+        components.setdefault(model.__name__, schema)
 
 
 def install(app: FastAPI) -> None:

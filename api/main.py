@@ -135,6 +135,13 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
             await job_reader.close()
 
     app = FastAPI(title="tputune", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            errors.add_schemas(FastAPI.openapi(app), jobs.SELF_READ_BODIES)
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
     app.state.settings = settings
     app.state.engine = engine
     app.state.job_reader = job_reader
@@ -151,6 +158,6 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
     app.include_router(dashboard.router)
     app.add_middleware(CloseSessions)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(RequestContext, metrics=metrics)
+    app.add_middleware(RequestContext, metrics=metrics, log_requests=settings.access_log)
     logging.getLogger("api").setLevel(settings.log_level.upper())
     return app

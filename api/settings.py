@@ -49,6 +49,7 @@ class Settings(BaseSettings):
     storage_timeout_seconds: float = Field(default=10.0, gt=0, description="Bound on one dataset check.")
     log_level: str = "info"
     log_format: Literal["text", "json"] = Field(default="text", description="`json`: one object per line.")
+    access_log: bool = Field(default=True, description="A log line per request (logger tputune.access).")
     metrics_enabled: bool = Field(default=True, description="Serve Prometheus metrics at /metrics.")
 
     admin_key: SecretStr | None = Field(

@@ -210,6 +210,66 @@ def test_openapi_has_examples(client: TestClient) -> None:
     assert client.get("/docs").status_code == 200
 
 
+def test_openapi_declares_the_create_body_the_route_reads_itself(client: TestClient) -> None:
+    spec = client.get("/openapi.json").json()
+    create = spec["paths"]["/jobs"]["post"]
+    body = create["requestBody"]
+    assert body["required"] is True
+    assert body["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/JobCreate"}
+    schemas = spec["components"]["schemas"]
+    assert {"name", "model", "dataset_uri"} <= set(schemas["JobCreate"]["required"])
+    # Every schema JobCreate refers to is in the document.
+    refs = _refs(schemas["JobCreate"])
+    assert refs and all(ref.removeprefix("#/components/schemas/") in schemas for ref in refs)
+    [key] = [p for p in create["parameters"] if p["in"] == "header"]
+    assert key["name"] == "Idempotency-Key" and key["schema"]["maxLength"] == 255
+    assert create["security"] == [{"ApiKey": []}]
+
+
+def _refs(node: object) -> set[str]:
+    if isinstance(node, dict):
+        return {node["$ref"]} if "$ref" in node else set().union(*map(_refs, node.values()))
+    if isinstance(node, list):
+        return set().union(*map(_refs, node))
+    return set()
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_not_sent_as_json_is_422(client: TestClient, dataset: Path, content_type: str | None) -> None:
+    import json
+
+    headers = {"content-type": content_type} if content_type else {}
+    response = client.post("/jobs", content=json.dumps(job_body(dataset)).encode(), headers=headers)
+    assert response.status_code == 422
+    error = response.json()["error"]
+    assert error["code"] == "invalid_request" and error["param"] == "body"
+    assert "Content-Type: application/json" in error["message"]
+    sent = client.post(
+        "/jobs", json=job_body(dataset), headers={"content-type": "application/json; charset=utf-8"}
+    )
+    assert sent.status_code == 201
+
+
+def test_empty_body_and_wrong_types_name_the_field(client: TestClient, dataset: Path) -> None:
+    empty = client.post("/jobs", content=b"", headers={"content-type": "application/json"})
+    assert empty.status_code == 422 and empty.json()["error"]["code"] == "invalid_request"
+    wrong = client.post("/jobs", json=job_body(dataset, name=5))
+    assert wrong.status_code == 422 and wrong.json()["error"]["param"] == "name"
+    array = client.post("/jobs", json=[1, 2])
+    assert array.status_code == 422 and array.json()["error"]["param"] == "body"
+
+
+def test_an_overlong_idempotency_key_is_422(client: TestClient, dataset: Path) -> None:
+    response = client.post("/jobs", json=job_body(dataset), headers={"Idempotency-Key": "k" * 256})
+    assert response.status_code == 422
+    error = response.json()["error"]
+    assert error["param"] == "header.idempotency-key" and "255" in error["message"]
+    assert (
+        client.post("/jobs", json=job_body(dataset), headers={"Idempotency-Key": "k" * 255}).status_code
+        == 201
+    )
+
+
 def test_more_requests_than_threads_and_connections_never_deadlock(
     live_api: Callable[..., LiveApi], dataset: Path
 ) -> None:

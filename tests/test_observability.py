@@ -62,3 +62,39 @@ def test_json_logs_carry_ids_and_no_secrets(client: TestClient, dataset: Path) -
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     assert {"message": "hello", "request_id": "req-42", "level": "info"}.items() <= lines[-1].items()
     assert token not in stream.getvalue()
+
+
+def _capture_json_logs(run: Callable[[], None]) -> list[dict]:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.addHandler(handler)
+    old_level = root.level
+    root.setLevel(logging.INFO)
+    try:
+        run()
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+    return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+
+def test_access_log_a_line_per_request_with_its_request_id(client: TestClient) -> None:
+    def run() -> None:
+        client.get("/healthz", headers={"X-Request-ID": "acc-1"})
+        client.get("/jobs/nope?secret-looking=query", headers={"X-Request-ID": "acc-2"})
+
+    lines = [line for line in _capture_json_logs(run) if line["logger"] == "tputune.access"]
+    seen = [(line["request_id"], line["http"]["status"]) for line in lines]
+    assert seen == [("acc-1", 200), ("acc-2", 404)]
+    assert lines[1]["http"]["method"] == "GET" and lines[1]["http"]["path"] == "/jobs/nope"
+    assert "secret-looking" not in json.dumps(lines)  # the query string is left out
+    assert lines[0]["http"]["ms"] >= 0 and "GET /healthz 200" in lines[0]["message"]
+
+
+def test_access_log_can_be_turned_off(make_settings: Callable[..., Settings]) -> None:
+    app = create_app(make_settings(dispatcher_enabled=False, access_log=False))
+    with TestClient(app) as client:
+        lines = _capture_json_logs(lambda: client.get("/healthz"))
+    assert [line for line in lines if line["logger"] == "tputune.access"] == []
