@@ -17,7 +17,7 @@ from api.db import make_engine
 from api.deps import CloseSessions
 from api.dispatcher import Dispatcher
 from api.executors import Closeable, make_executor
-from api.observability import Metrics, RequestContext
+from api.observability import Metrics, RequestContext, RequestLoad
 from api.reader import make_reader
 from api.routes import dashboard, health, jobs, keys
 from api.settings import Settings
@@ -98,6 +98,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
     engine = engine or make_engine(settings.resolved_database_url, settings.database_pool_size)
     executor = make_executor(settings)
     metrics = Metrics(engine)
+    load = RequestLoad()
     job_reader = make_reader(engine)
     leader = None
     if settings.dispatcher_enabled and settings.executor == "kubernetes":
@@ -105,7 +106,14 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
 
         leader = make_leader(settings)
     dispatcher = (
-        Dispatcher(engine, executor, settings, metrics, is_leader=leader.is_leader if leader else None)
+        Dispatcher(
+            engine,
+            executor,
+            settings,
+            metrics,
+            is_leader=leader.is_leader if leader else None,
+            api_busy=load.busy,
+        )
         if settings.dispatcher_enabled
         else None
     )
@@ -158,6 +166,6 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
     app.include_router(dashboard.router)
     app.add_middleware(CloseSessions)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(RequestContext, metrics=metrics, log_requests=settings.access_log)
+    app.add_middleware(RequestContext, metrics=metrics, log_requests=settings.access_log, load=load)
     logging.getLogger("api").setLevel(settings.log_level.upper())
     return app

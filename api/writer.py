@@ -6,8 +6,9 @@ busy handler sleeps up to 100 ms between tries), on PostgreSQL each request paid
 commit, and everywhere the thread hand-offs and SQLAlchemy's unit of work cost more than the inserts.
 
 So the route checks the spec and builds the row on the event loop and hands it to `JobWriter`: one thread
-that takes every job waiting, writes them with one statement per table in one transaction
-(`api.jobs.write_jobs`), commits once, and answers each request. Under load a batch holds the jobs that
+that takes every job waiting, writes them in one transaction (`api.jobs.write_jobs`: on SQLite an
+executemany per table; on PostgreSQL one statement, in autocommit unless Idempotency-Keys need reading
+first), commits once, and answers each request. Under load a batch holds the jobs that
 arrived while the previous one was written; an idle server writes a lone job at once. Nothing is
 acknowledged before its commit.
 """
@@ -19,9 +20,9 @@ import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
 from api.errors import ApiError
@@ -102,7 +103,7 @@ class JobWriter:
 
     def _write(self, batch: list[NewJob]) -> list[Outcome | BaseException]:
         try:
-            with self.engine.begin() as connection:
+            with self._connection(batch) as connection:
                 return list(write_jobs(connection, batch))
         except IntegrityError:
             # Another writer (an API replica) stored one of these Idempotency-Keys after write_jobs looked:
@@ -110,6 +111,17 @@ class JobWriter:
             return [self._write_one(new) for new in batch]
         except Exception as exc:  # the database is away (OperationalError: a 503), or a bug (a 500)
             return [exc] * len(batch)
+
+    @contextlib.contextmanager
+    def _connection(self, batch: list[NewJob]) -> Iterator[Connection]:
+        """A transaction; on PostgreSQL, for jobs without Idempotency-Keys, autocommit: write_jobs then
+        runs one statement, atomic on its own, and BEGIN and COMMIT would be two more round trips."""
+        if self.engine.dialect.name == "postgresql" and all(new.idempotency_key is None for new in batch):
+            with self.engine.connect() as connection:
+                yield connection.execution_options(isolation_level="AUTOCOMMIT")
+        else:
+            with self.engine.begin() as connection:
+                yield connection
 
     def _write_one(self, new: NewJob) -> Outcome | BaseException:
         try:

@@ -332,7 +332,7 @@ class ApiServer:
             "workers": 1,
             "loop": "uvloop" if "/uvloop/" in maps else "asyncio",
             "http": "httptools" if "/httptools/" in maps else "h11",
-            "access_log": "on (uvicorn default; to server.log)",
+            "access_log": "on (tputune.access, the default; to server.log)",
             "threads_at_start": threads,
             "command": " ".join(self.command()),
         }

@@ -148,3 +148,68 @@ def test_dispatcher_passes_page_through_more_jobs_than_one_pass_takes(
         assert dispatcher.tick() is True and seen == ids[:5]  # a new round starts at the oldest
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("busy", [True, False])
+def test_dispatcher_yields_to_requests_in_proportion_to_its_cpu(
+    make_settings: Callable[..., Settings], dataset: Path, busy: bool
+) -> None:
+    """While requests arrive, after each job's step the dispatcher waits (1 - share) / share times the CPU
+    time the step used (capped), so it takes at most `dispatcher_busy_share` of the interpreter."""
+    import time
+
+    settings = make_settings(dispatcher_busy_share=0.25)
+    engine = make_engine(settings.resolved_database_url)
+    with Session(engine) as session:
+        for i in range(3):
+            service.create_job(session, _spec(dataset, f"j{i}"), settings, "alpha")
+    used: list[float] = []
+    waits: list[float] = []
+
+    class Burning(Dispatcher):
+        def _claim(self, session: Any, job: Any) -> None:
+            start = time.thread_time()
+            while time.thread_time() - start < (0.01 if len(used) < 2 else 0.2):  # the last: over the cap
+                pass
+            used.append(time.thread_time() - start)
+
+    class Recording:
+        def wait(self, seconds: float) -> bool:
+            waits.append(seconds)
+            return False
+
+    dispatcher = Burning(engine, make_executor(settings), settings, api_busy=lambda: busy)
+    dispatcher._stop = Recording()  # type: ignore[assignment]
+    try:
+        dispatcher.tick()
+    finally:
+        engine.dispose()
+    assert len(used) == 3
+    if not busy:
+        assert waits == []
+        return
+    assert len(waits) == 3
+    for step_cpu, wait in zip(used[:2], waits[:2], strict=True):
+        assert 3 * step_cpu <= wait <= 3 * step_cpu + 0.01  # the step's CPU and the bookkeeping around it
+    assert waits[2] == dispatcher_module.MAX_YIELD_SECONDS
+
+
+def test_the_api_counts_as_busy_right_after_a_request(make_settings: Callable[..., Settings]) -> None:
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from api.observability import RequestLoad
+
+    app = create_app(make_settings())
+    with TestClient(app) as client:
+        load = app.state.dispatcher.api_busy.__self__
+        assert isinstance(load, RequestLoad)
+        before = time.monotonic()
+        client.get("/healthz")
+        assert before <= load.last_request <= time.monotonic()
+    load.last_request = time.monotonic()
+    assert load.busy() is True
+    load.last_request = time.monotonic() - 2 * RequestLoad.WINDOW_SECONDS
+    assert load.busy() is False
