@@ -12,6 +12,7 @@ from typing import Any
 from api.client import FINAL_STATUSES, ApiError, Client
 
 EXIT_CODES = {"succeeded": 0, "failed": 1, "cancelled": 2}
+SWITCH_INTERVAL_SECONDS = 0.001
 
 
 # --- server side ---
@@ -33,6 +34,12 @@ def serve(args: argparse.Namespace) -> int:
     upgrade(settings.resolved_database_url)
     app = create_app(settings)
     _freeze_startup_objects()
+    # The event loop shares the interpreter with the job writer and dispatcher threads. A thread that got an
+    # answer from the database waits for the loop to let go of the GIL: up to the switch interval, 5 ms by
+    # default, per round trip. At 1 ms, POST /jobs at 64 clients (2 cores, 2 runs each): SQLite 1,910-2,490
+    # req/s, p99 42-52 ms (5 ms: 1,650-1,940, p99 57-63); PostgreSQL 2,089-2,200, p99 54-56 ms (5 ms:
+    # 1,484-1,900, p99 65-74).
+    sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     print(f"tputune: serving on http://{settings.host}:{settings.port} (docs at /docs)", flush=True)
     uvicorn.run(
         app,
