@@ -168,10 +168,11 @@ def _ping_when_idle(engine: Engine) -> None:
 
 
 @contextmanager
-def read_connection(engine: Engine) -> Iterator[Connection]:
-    """A connection for reads that need no transaction (one statement, or a few whose results need not
-    agree). On PostgreSQL in autocommit: no BEGIN and no ROLLBACK, two round trips fewer. SQLite's driver
-    begins no transaction for a SELECT anyway (and switching its isolation level costs a statement)."""
+def autocommit_connection(engine: Engine) -> Iterator[Connection]:
+    """A connection for work that needs no transaction: reads (one statement, or a few whose results need
+    not agree) and single-statement writes. On PostgreSQL in autocommit: no BEGIN and no COMMIT/ROLLBACK,
+    two round trips fewer. SQLite's driver begins no transaction for a SELECT anyway (and switching its
+    isolation level costs a statement); a write there still begins one, which the caller commits."""
     with engine.connect() as connection:
         if engine.dialect.name == "postgresql":
             connection.execution_options(isolation_level="AUTOCOMMIT")

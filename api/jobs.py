@@ -26,7 +26,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, col, select
 
-from api.db import read_connection
+from api.db import autocommit_connection
 from api.errors import ApiError, not_found
 from api.models import IdempotencyKey, Job, JobEvent, JobMetadata, as_utc, utcnow
 from api.settings import Settings
@@ -356,7 +356,7 @@ def read_job_row(engine: Engine, tenant: str, job_id: str) -> Any | None:
     """The job as a plain row (the `JOB_COLUMNS` as attributes), or None; for reading only: no ORM
     object, no session, no transaction, and a statement built once (building it cost more than running
     it)."""
-    with read_connection(engine) as connection:
+    with autocommit_connection(engine) as connection:
         return connection.execute(_READ_JOB, {"job_id": job_id, "tenant": tenant}).first()
 
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
+from api.db import autocommit_connection
 from api.errors import ApiError
 from api.jobs import NewJob, Outcome, write_jobs, write_one
 
@@ -117,8 +118,8 @@ class JobWriter:
         """A transaction; on PostgreSQL, for jobs without Idempotency-Keys, autocommit: write_jobs then
         runs one statement, atomic on its own, and BEGIN and COMMIT would be two more round trips."""
         if self.engine.dialect.name == "postgresql" and all(new.idempotency_key is None for new in batch):
-            with self.engine.connect() as connection:
-                yield connection.execution_options(isolation_level="AUTOCOMMIT")
+            with autocommit_connection(self.engine) as connection:
+                yield connection
         else:
             with self.engine.begin() as connection:
                 yield connection

@@ -43,35 +43,32 @@ def test_request_id(client: TestClient) -> None:
 
 
 def test_json_logs_carry_ids_and_no_secrets(client: TestClient, dataset: Path) -> None:
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(JsonFormatter())
-    root = logging.getLogger()
-    root.addHandler(handler)
-    old_level = root.level
-    root.setLevel(logging.DEBUG)
-    try:
+    def run() -> None:
+        nonlocal token
         job_id, token = started_job(client, dataset)
         post(client, job_id, token, [metrics(1, 2.0)])
         reset = request_id_var.set("req-42")
         logging.getLogger("api.test").info("hello")
         request_id_var.reset(reset)
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(old_level)
-    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+
+    token = ""
+    stream = io.StringIO()
+    lines = _capture_json_logs(run, logging.DEBUG, stream)
     assert {"message": "hello", "request_id": "req-42", "level": "info"}.items() <= lines[-1].items()
     assert token not in stream.getvalue()
 
 
-def _capture_json_logs(run: Callable[[], None]) -> list[dict]:
-    stream = io.StringIO()
+def _capture_json_logs(
+    run: Callable[[], None], level: int = logging.INFO, stream: io.StringIO | None = None
+) -> list[dict]:
+    """What `run` logs, as JSON lines (the root logger at `level` meanwhile)."""
+    stream = stream or io.StringIO()
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
     root.addHandler(handler)
     old_level = root.level
-    root.setLevel(logging.INFO)
+    root.setLevel(level)
     try:
         run()
     finally:
