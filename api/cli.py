@@ -34,9 +34,10 @@ def serve(args: argparse.Namespace) -> int:
     upgrade(settings.resolved_database_url)
     app = create_app(settings)
     _freeze_startup_objects()
-    # The event loop shares the interpreter with the job writer and dispatcher threads. A thread that got an
-    # answer from the database waits for the loop to let go of the GIL: up to the switch interval, 5 ms by
-    # default, per round trip. At 1 ms, POST /jobs at 64 clients (2 cores, 2 runs each): SQLite 1,910-2,490
+    # The event loop shares the interpreter with the job writer thread (and the dispatcher's, when it is not a
+    # process of its own; these figures were measured so). A thread that got an answer from the database
+    # waits for the loop to let go of the GIL: up to the switch interval, 5 ms by default, per round trip.
+    # At 1 ms, POST /jobs at 64 clients (2 cores, 2 runs each): SQLite 1,910-2,490
     # req/s, p99 42-52 ms (5 ms: 1,650-1,940, p99 57-63); PostgreSQL 2,089-2,200, p99 54-56 ms (5 ms:
     # 1,484-1,900, p99 65-74).
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,26 +59,85 @@ def make_engine(url: str, pool_size: int = POOL_SIZE) -> Engine:
     return engine
 
 
-# --- SQLite: one writer at a time per process, waiting on a lock instead of SQLite's busy handler ---
+# --- SQLite: one writer at a time, waiting on a lock instead of SQLite's busy handler ---
 
 # SQLite lets one connection write at a time. A writer that finds the database locked sleeps in SQLite's
 # busy handler (1, 2, 5, 10 ... 100 ms between tries) and may find it locked again, by a thread that holds
 # the lock while it waits for the GIL. With the dispatcher committing each job's moves while the job writer
 # stored new ones, POST /jobs waited in those sleeps: its p99 was 222 ms at half the rate 2 cores serve
-# (PostgreSQL: 26 ms). So the writers of one process queue on a lock that wakes the next one at once; other
-# processes (a `tputune` command, a second server) still meet the busy handler.
-_WRITE_LOCKS: dict[str, threading.Lock] = {}
+# (PostgreSQL: 26 ms). So writers queue on a lock that lets the next one go at once: the threads of one
+# process on a threading.Lock, the processes (the API and its dispatcher process, a `tputune` command) on
+# flock(2) of a file beside the database. Connections that do not use this class (sqlite3 itself) still
+# meet the busy handler.
+# Weak: a lock (and its file descriptor) goes with the last connection to its database.
+_WRITE_LOCKS: weakref.WeakValueDictionary[str, _WriteLock] = weakref.WeakValueDictionary()
 _WRITE_LOCKS_GUARD = threading.Lock()
 _WRITE_WAIT_SECONDS = 30.0  # then go on to SQLite's own wait, as before (a thread writing on two connections)
 _WRITES = ("INSERT", "UPDATE", "DELETE", "REPLACE", "BEGIN")
+WRITE_LOCK_SUFFIX = "-writer.lock"
+# flock(2) has no timeout: a writer that finds another process writing tries again after these sleeps (the
+# last one repeated). Most write transactions take well under a millisecond; at 2 ms between tries the
+# dispatcher process seldom found the lock free while the job writer stored a burst of jobs.
+_FLOCK_RETRY_SECONDS = (0.0002, 0.0005)
 
 
-def _write_lock(database: Any) -> threading.Lock:
+class _WriteLock:
+    """The write lock of one database file in this process: a threading.Lock, and for a file, flock(2) of
+    `<file>-writer.lock` taken by the thread that holds the threading.Lock."""
+
+    def __init__(self, path: str | None) -> None:
+        self._threads = threading.Lock()
+        self._fd: int | None = None
+        if path is not None:
+            try:
+                self._fd = os.open(path + WRITE_LOCK_SUFFIX, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except OSError:  # a read-only directory: only the threads of this process queue
+                self._fd = None
+        self._flocked = False
+
+    def acquire(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        if not self._threads.acquire(timeout=timeout):
+            return False
+        if self._fd is not None:
+            self._flocked = self._flock(deadline)
+        return True
+
+    def _flock(self, deadline: float) -> bool:
+        assert self._fd is not None
+        tries = 0
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False  # SQLite's busy handler takes over
+            time.sleep(_FLOCK_RETRY_SECONDS[min(tries, len(_FLOCK_RETRY_SECONDS) - 1)])
+            tries += 1
+
+    def release(self) -> None:
+        if self._flocked:
+            self._flocked = False
+            assert self._fd is not None
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._threads.release()
+
+    def __del__(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+
+
+def _write_lock(database: Any) -> _WriteLock:
     name = os.fsdecode(database) if isinstance(database, str | bytes | os.PathLike) else ""
     if not name or name == ":memory:" or name.startswith("file:"):
-        return threading.Lock()  # a database of this connection alone
+        return _WriteLock(None)  # a database of this connection alone
+    path = os.path.abspath(name)
     with _WRITE_LOCKS_GUARD:
-        return _WRITE_LOCKS.setdefault(os.path.abspath(name), threading.Lock())
+        lock = _WRITE_LOCKS.get(path)
+        if lock is None:
+            lock = _WRITE_LOCKS[path] = _WriteLock(path)
+        return lock
 
 
 class SerializedWrites(sqlite3.Connection):

@@ -7,7 +7,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 
 import anyio
 from fastapi import Depends, Request
@@ -17,7 +17,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.auth import COOKIE_NAME, Authenticator, Principal
-from api.dispatcher import Dispatcher
 from api.errors import ApiError
 from api.executors import Executor
 from api.settings import Settings
@@ -128,7 +127,13 @@ async def get_executor(request: Request) -> Executor:
     return request.app.state.executor
 
 
-async def get_dispatcher(request: Request) -> Dispatcher | None:
+class Wakes(Protocol):
+    """The dispatcher, a thread (api.dispatcher) or a process (api.dispatch_process)."""
+
+    def wake(self) -> None: ...
+
+
+async def get_dispatcher(request: Request) -> Wakes | None:
     return request.app.state.dispatcher
 
 
@@ -137,4 +142,4 @@ SessionDep = Annotated[Session, Depends(get_session)]
 TenantDep = Annotated[str, Depends(get_tenant)]
 AdminDep = Annotated[Principal, Depends(get_admin)]
 ExecutorDep = Annotated[Executor, Depends(get_executor)]
-DispatcherDep = Annotated[Dispatcher | None, Depends(get_dispatcher)]
+DispatcherDep = Annotated[Wakes | None, Depends(get_dispatcher)]

@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
@@ -17,7 +17,7 @@ from api.datasets import DatasetUnavailable, StorageUnreachable, check_dataset
 from api.db import session_scope
 from api.executors import Discards, Executor, ExecutorUnavailable, Observation
 from api.models import Job, job_spec, utcnow
-from api.observability import Metrics, job_id_var
+from api.observability import DispatcherStats, job_id_var
 from api.settings import Settings
 from api.states import ACTIVE, JobStatus
 from api.validation import job_chips
@@ -30,14 +30,26 @@ PAGE = 200
 MAX_YIELD_SECONDS = 0.1
 
 
+class Leader(Protocol):
+    """api.leader.LeaderElector (not imported here: it needs the Kubernetes client)."""
+
+    on_change: Callable[[bool], None] | None
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def is_leader(self) -> bool: ...
+
+
 class Dispatcher:
     def __init__(
         self,
         engine: Engine,
         executor: Executor,
         settings: Settings,
-        metrics: Metrics | None = None,
-        is_leader: Callable[[], bool] | None = None,
+        metrics: DispatcherStats | None = None,
+        leader: Leader | None = None,
         api_busy: Callable[[], bool] | None = None,
     ) -> None:
         self.engine = engine
@@ -46,7 +58,9 @@ class Dispatcher:
         share = settings.dispatcher_busy_share
         self._yield_factor = (1 - share) / share
         # With several API replicas only the Lease holder may move jobs (None: this process is alone).
-        self.is_leader = is_leader
+        self.leader = leader
+        if leader is not None:
+            leader.on_change = lambda _leading: self.wake()  # a new leader takes over at once
         # The pending reason each job's status message shows, to put back a normal one once it runs.
         self._pending_notes: dict[str, str] = {}
         self.metrics = metrics
@@ -62,20 +76,31 @@ class Dispatcher:
     # --- the loop ---
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="tputune-dispatcher", daemon=True)
+        """Run in a thread of this process."""
+        if self.leader is not None:
+            self.leader.start()
+        self._thread = threading.Thread(target=self.run, name="tputune-dispatcher", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def request_stop(self) -> None:
+        """End the loop after the step it is in."""
         self._stop.set()
         self._wake.set()
+
+    def stop(self) -> None:
+        """End the loop after the step it is in, and the thread and leader election start() began."""
+        self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.leader is not None:
+            self.leader.stop()
 
     def wake(self) -> None:
         """Run a pass now (a job was just created or cancelled)."""
         self._wake.set()
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The loop, until stop()."""
         while not self._stop.is_set():
             more = False
             try:
@@ -88,7 +113,7 @@ class Dispatcher:
 
     def tick(self) -> bool:
         """One pass; True if it left jobs for the next one (it takes `PAGE` jobs of each kind at most)."""
-        if self.is_leader is not None and not self.is_leader():
+        if self.leader is not None and not self.leader.is_leader():
             return False
         more = False
         self._tenant_jobs.clear()
@@ -105,7 +130,7 @@ class Dispatcher:
                 # Every other job would wait on it too: end this pass, the next one retries.
                 log.warning("%s; retrying on the next pass", exc)
         if self.metrics is not None:
-            self.metrics.last_pass.set_to_current_time()
+            self.metrics.passed()
         return more
 
     def _page(self, session: Session, kind: str, statuses: list[JobStatus]) -> tuple[list[Job], bool]:
@@ -245,7 +270,7 @@ class Dispatcher:
         else:
             event = "Found the job's workers already running; adopted them."
         if self.metrics is not None and event == "Workers started.":
-            self.metrics.launches.inc()
+            self.metrics.launched()
         job.launch = handle
         job.launched_at = utcnow()
         job.status_message = "Workers started; waiting for the first report."
@@ -342,6 +367,8 @@ class Dispatcher:
         session.add(job)
         session.commit()
         job.launch = self.executor.restart(job, token)
+        if self.metrics is not None:
+            self.metrics.launched()
         job.status_message = (
             f"Restarted after a preemption (restart {job.restarts}); resuming from the last checkpoint."
         )
@@ -371,3 +398,19 @@ class Dispatcher:
             if not best_effort:
                 raise
             log.warning("job %s: could not clean up after its launch", job.id, exc_info=True)
+
+
+def make_dispatcher(
+    engine: Engine,
+    executor: Executor,
+    settings: Settings,
+    metrics: DispatcherStats | None = None,
+    api_busy: Callable[[], bool] | None = None,
+) -> Dispatcher:
+    """The dispatcher of a deployment: on kubernetes, with the Lease election of its API replicas."""
+    leader = None
+    if settings.executor == "kubernetes":
+        from api.leader import make_leader  # imports the Kubernetes client, which local use never needs
+
+        leader = make_leader(settings)
+    return Dispatcher(engine, executor, settings, metrics, leader=leader, api_busy=api_busy)

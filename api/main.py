@@ -15,7 +15,8 @@ from api import errors
 from api.auth import Authenticator
 from api.db import make_engine
 from api.deps import CloseSessions
-from api.dispatcher import Dispatcher
+from api.dispatch_process import STATS_FILE, DispatcherProcess, SharedStats
+from api.dispatcher import Dispatcher, make_dispatcher
 from api.executors import Closeable, make_executor
 from api.observability import Metrics, RequestContext, RequestLoad
 from api.reader import make_reader
@@ -97,28 +98,17 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
     settings.ensure_dirs()
     engine = engine or make_engine(settings.resolved_database_url, settings.database_pool_size)
     executor = make_executor(settings)
-    metrics = Metrics(engine)
     load = RequestLoad()
     job_reader = make_reader(engine)
-    leader = None
-    if settings.dispatcher_enabled and settings.executor == "kubernetes":
-        from api.leader import make_leader  # imports the Kubernetes client, which local use never needs
-
-        leader = make_leader(settings)
-    dispatcher = (
-        Dispatcher(
-            engine,
-            executor,
-            settings,
-            metrics,
-            is_leader=leader.is_leader if leader else None,
-            api_busy=load.busy,
-        )
-        if settings.dispatcher_enabled
-        else None
-    )
-    if leader is not None and dispatcher is not None:
-        leader.on_change = lambda _leading: dispatcher.wake()  # a new leader takes over at once
+    dispatcher: Dispatcher | DispatcherProcess | None = None
+    if settings.dispatcher_enabled and settings.dispatcher_process:
+        stats = SharedStats(settings.data_dir / STATS_FILE, reset=True)
+        metrics = Metrics(engine, dispatcher_stats=stats)
+        dispatcher = DispatcherProcess(settings, stats)
+    else:
+        metrics = Metrics(engine)
+        if settings.dispatcher_enabled:
+            dispatcher = make_dispatcher(engine, executor, settings, metrics, api_busy=load.busy)
     job_writer = make_writer(engine, on_commit=dispatcher.wake if dispatcher is not None else None)
 
     @asynccontextmanager
@@ -126,8 +116,6 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
         # Sync routes run on this many threads: more only fight over the GIL (measured on 2 cores: 40, the
         # default, served half the list calls per second that 4 or 8 did at 64 clients).
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.worker_threads
-        if leader is not None:
-            leader.start()
         if dispatcher is not None:
             dispatcher.start()
         try:
@@ -136,8 +124,6 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
             job_writer.close()
             if dispatcher is not None:
                 dispatcher.stop()
-            if leader is not None:
-                leader.stop()
             if isinstance(executor, Closeable):
                 executor.close()
             await job_reader.close()
@@ -156,7 +142,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
     app.state.job_writer = job_writer
     app.state.executor = executor
     app.state.dispatcher = dispatcher
-    app.state.leader = leader
+    app.state.leader = dispatcher.leader if isinstance(dispatcher, Dispatcher) else None
     app.state.auth = Authenticator(engine, settings)
     app.state.metrics = metrics
     errors.install(app)

@@ -8,7 +8,7 @@ import logging
 import secrets
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -26,9 +26,10 @@ job_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("job_id"
 
 
 class Metrics:
-    """One registry per app (tests build many apps in one process)."""
+    """One registry per app (tests build many apps in one process). The dispatcher's figures are kept here
+    when it runs in this process (a thread), else read from `dispatcher_stats` (its process's)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, dispatcher_stats: Collector | None = None) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "tputune_http_requests", "HTTP requests", ["method", "route", "status"], registry=self.registry
@@ -40,16 +41,40 @@ class Metrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
             registry=self.registry,
         )
-        self.launches = Counter(
-            "tputune_launches", "Worker launches (incl. restarts)", registry=self.registry
-        )
         self.reports = Counter("tputune_worker_reports", "Worker reports stored", registry=self.registry)
-        self.last_pass = Gauge(
-            "tputune_dispatcher_last_pass_timestamp_seconds",
-            "When the dispatcher last finished a pass (reconcile lag = now - this)",
-            registry=self.registry,
-        )
+        self.launches: Counter | None = None
+        self.last_pass: Gauge | None = None
+        if dispatcher_stats is not None:
+            self.registry.register(dispatcher_stats)
+        else:
+            self.launches = Counter(LAUNCHES[0], LAUNCHES[1], registry=self.registry)
+            self.last_pass = Gauge(LAST_PASS[0], LAST_PASS[1], registry=self.registry)
         self.registry.register(_JobsByStatus(engine))
+
+    # --- DispatcherStats, for a dispatcher thread ---
+
+    def passed(self) -> None:
+        if self.last_pass is not None:
+            self.last_pass.set_to_current_time()
+
+    def launched(self) -> None:
+        if self.launches is not None:
+            self.launches.inc()
+
+
+LAUNCHES = ("tputune_launches", "Worker launches (incl. restarts)")
+LAST_PASS = (
+    "tputune_dispatcher_last_pass_timestamp_seconds",
+    "When the dispatcher last finished a pass (reconcile lag = now - this)",
+)
+
+
+class DispatcherStats(Protocol):
+    """What the dispatcher counts for /metrics."""
+
+    def passed(self) -> None: ...
+
+    def launched(self) -> None: ...
 
 
 class _JobsByStatus(Collector):

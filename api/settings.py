@@ -43,11 +43,17 @@ class Settings(BaseSettings):
     local_max_restarts: int = Field(default=3, ge=0, description="Local restarts after a preemption exit.")
     dispatch_interval_seconds: float = Field(default=1.0, gt=0)
     dispatcher_enabled: bool = True
+    dispatcher_process: bool = Field(
+        default=True,
+        description="Run the dispatcher in a process of its own, on another core (false: a thread of the "
+        "API's process).",
+    )
     dispatcher_busy_share: float = Field(
         default=0.25,
         gt=0,
         le=1,
-        description="The dispatcher's share of the interpreter while requests arrive (1: no limit).",
+        description="As a thread (TPUTUNE_DISPATCHER_PROCESS=false): its share of the interpreter while "
+        "requests arrive (1: no limit).",
     )
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     gcs_endpoint: str | None = Field(default=None, description="Cloud Storage endpoint (emulator) override.")

@@ -229,6 +229,8 @@ class CpuWatch:
         return {
             "wall": time.monotonic(),
             "server": proc_cpu_seconds(self.server_pid),
+            # The server's one child: its dispatcher process (TPUTUNE_DISPATCHER_PROCESS, the default).
+            "dispatcher": sum(proc_cpu_seconds(p) for p in children_of(self.server_pid)),
             "postgres": self._postgres(),
             "wrk": children.ru_utime + children.ru_stime,  # only wrk ends (is waited for) in a phase
             "busy": busy,
@@ -249,6 +251,7 @@ class CpuWatch:
         return {
             "server_cpu_s": round(end["server"] - self._start["server"], 2),
             "server_pct": pct("server"),
+            "dispatcher_pct": pct("dispatcher"),
             "postgres_pct": pct("postgres") if self.postmaster_pid is not None else None,
             "wrk_pct": pct("wrk"),
             "machine_busy_pct": round(100.0 * (end["busy"] - self._start["busy"]) / total, 1)
@@ -477,7 +480,8 @@ def measure(
         f"  {phase.name:<22} {result['rps']:>8.1f} req/s  p50 {result['p50_ms']:>7.2f} ms  "
         f"p99 {result['p99_ms']:>7.2f} ms  errors {result['errors']:<4}{' STALLED' if stalled else ''} "
         f"server {result['server_cpu_ms_per_request'] or '-'} ms cpu/req  "
-        f"cpu% server {cpu_of('server_pct')} pg {cpu_of('postgres_pct')} wrk {cpu_of('wrk_pct')} "
+        f"cpu% server {cpu_of('server_pct')} disp {cpu_of('dispatcher_pct')} pg {cpu_of('postgres_pct')} "
+        f"wrk {cpu_of('wrk_pct')} "
         f"machine {cpu_of('machine_busy_pct')}  load {load:.1f}",
         flush=True,
     )

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import shlex
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -25,22 +23,10 @@ from api.migrate import upgrade
 from api.runner import process_start_time
 from api.settings import Settings
 from tests.conftest import LiveApi, free_port
-from tests.support.postgres import PostgresNotAvailable, PostgresServer, find_pg_bindir
+from tests.support.postgres import PostgresServer
+from tests.support.serve import serve, wait_up
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def own_postgres() -> PostgresServer:
-    try:
-        server = PostgresServer(find_pg_bindir())
-    except PostgresNotAvailable as exc:
-        if os.environ.get("TPUTUNE_REQUIRE_POSTGRES"):
-            pytest.fail(str(exc))
-        pytest.skip(f"PostgreSQL server binaries not found ({exc})")
-    server.start()
-    yield server
-    server.close()
 
 
 def test_database_restart_under_load(own_postgres: PostgresServer, tmp_path: Path, dataset: Path) -> None:
@@ -137,29 +123,6 @@ def test_pooled_connection_dropped_while_idle_is_pinged_and_replaced(
 CRASH_WORKER = "import os, sys, time; open('launches.log', 'a').write(f'{os.getpid()}\\n'); time.sleep(0.05)"
 
 
-def _serve(settings_env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "api.cli", "serve"],
-            env={**os.environ, **settings_env},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-
-
-def _wait_up(url: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 180  # a restart adopts up to 200 runs while clients hammer it
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the API exited"
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("API did not come up")
-
-
 @pytest.mark.timeout(600)  # ~2 min on a quiet 2-core machine; 200 runs and 4 API starts take longer loaded
 def test_sigkill_during_submissions_loses_and_doubles_nothing(tmp_path: Path, dataset: Path) -> None:
     port = free_port()
@@ -175,8 +138,8 @@ def test_sigkill_during_submissions_loses_and_doubles_nothing(tmp_path: Path, da
         "TPUTUNE_LOG_LEVEL": "warning",
     }
     log = tmp_path / "api.log"
-    proc = _serve(env, log)
-    _wait_up(url, proc)
+    proc = serve(env, log)
+    wait_up(url, proc)
     accepted: dict[str, str] = {}
     lock = threading.Lock()
 
@@ -204,8 +167,8 @@ def test_sigkill_during_submissions_loses_and_doubles_nothing(tmp_path: Path, da
         time.sleep(rng.uniform(0.3, 1.5))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        proc = _serve(env, log)
-        _wait_up(url, proc)
+        proc = serve(env, log)
+        wait_up(url, proc)
     for thread in threads:
         thread.join(timeout=120)
     try:

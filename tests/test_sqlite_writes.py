@@ -1,4 +1,5 @@
-"""SQLite writes of one process queue on a lock (api.db.SerializedWrites), not in SQLite's busy handler.
+"""SQLite writes queue on a lock (api.db.SerializedWrites), not in SQLite's busy handler: the threads of
+one process on a threading.Lock, processes (the API and its dispatcher process) on flock(2).
 
 Each connection here has SQLite's busy timeout set to 0: a writer that met the database locked would fail
 at once with "database is locked" if the lock did not make it wait for the other writer's commit.
@@ -6,6 +7,8 @@ at once with "database is locked" if the lock did not make it wait for the other
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -111,3 +114,47 @@ def test_separate_database_files_do_not_share_a_lock(tmp_path: Path) -> None:
         thread.join(timeout=10)
         assert not thread.is_alive() and errors == []
         holder.rollback()
+
+
+# Another process (as the dispatcher process is to the API's) opens a write transaction and holds it open.
+HOLDER = """
+import sys
+from sqlalchemy import event
+from api.db import make_engine
+engine = make_engine(sys.argv[1])
+@event.listens_for(engine, "connect")
+def _no_busy_wait(dbapi_connection, _record):
+    dbapi_connection.execute("PRAGMA busy_timeout=0")
+with engine.connect() as connection:
+    connection.exec_driver_sql("INSERT INTO t VALUES (1, 'other process')")
+    print("holding", flush=True)
+    sys.stdin.readline()
+    connection.commit()
+"""
+
+
+def test_a_writer_waits_for_another_process_s_write_transaction(tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite"
+    engine = _engine(path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, f"sqlite:///{path}"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert holder.stdout.readline() == b"holding\n"
+        thread, errors = _insert_in_thread(engine, 2, "this process")
+        thread.join(timeout=0.5)
+        assert thread.is_alive(), f"the writer did not wait: {errors}"
+        holder.stdin.write(b"commit\n")
+        holder.stdin.flush()
+        assert holder.wait(timeout=30) == 0
+        thread.join(timeout=10)
+    finally:
+        holder.kill()
+    assert not thread.is_alive() and errors == []
+    with engine.connect() as connection:
+        rows = connection.exec_driver_sql("SELECT k, who FROM t ORDER BY k").all()
+    assert [tuple(row) for row in rows] == [(1, "other process"), (2, "this process")]

@@ -202,7 +202,7 @@ def test_the_api_counts_as_busy_right_after_a_request(make_settings: Callable[..
     from api.main import create_app
     from api.observability import RequestLoad
 
-    app = create_app(make_settings())
+    app = create_app(make_settings(dispatcher_process=False))  # a thread shares the API's interpreter
     with TestClient(app) as client:
         load = app.state.dispatcher.api_busy.__self__
         assert isinstance(load, RequestLoad)

@@ -37,9 +37,11 @@ def leading(api: LiveApi) -> bool:
 def test_one_replica_dispatches_and_hands_over_on_shutdown(
     k8s_api: Callable[..., LiveApi], cluster: Cluster, fake_k8s: FakeKubernetes, dataset_uri: str
 ) -> None:
-    first = k8s_api()
+    # Dispatcher threads: this test watches each replica's elector (app.state.leader). Each replica's
+    # dispatcher process runs the same elector (test_reconciler's jobs are dispatched that way).
+    first = k8s_api(dispatcher_process=False)
     wait(lambda: leading(first))
-    second = k8s_api()
+    second = k8s_api(dispatcher_process=False)
     job_id = submit(second, dataset_uri)  # taken in by the follower, dispatched by the leader
     running(second, cluster, job_id)
     assert leading(first) and not leading(second)

@@ -10,6 +10,7 @@ PostgreSQL:
   ``postgresql+psycopg://postgres@127.0.0.1:PORT/tputune_test``.
 * ``postgres_db_url`` (function): URL of a fresh, uniquely named database, dropped (``WITH
   (FORCE)``) after the test.
+* ``own_postgres`` (function): a server of the test's own, which it may stop and start.
 
 If the PostgreSQL server binaries are not installed these fixtures skip the test, unless
 ``TPUTUNE_REQUIRE_POSTGRES=1`` (set in CI), in which case they fail it.
@@ -35,6 +36,7 @@ from tests.support.postgres import PostgresNotAvailable, PostgresServer, find_pg
 __all__ = [
     "gcs",
     "gcs_emulator",
+    "own_postgres",
     "postgres_db_url",
     "postgres_server",
     "postgres_url",
@@ -63,6 +65,20 @@ def postgres_server() -> Iterator[PostgresServer]:
             f"PostgreSQL server binaries not found ({err}) \u2013 install postgresql to run these tests"
         )
     server = PostgresServer(bindir)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[PostgresServer]:
+    """A PostgreSQL server of this test alone, which it may stop and start (the fault tests)."""
+    try:
+        server = PostgresServer(find_pg_bindir())
+    except PostgresNotAvailable as err:
+        _postgres_missing(f"PostgreSQL server binaries not found ({err})")
     try:
         server.start()
         yield server

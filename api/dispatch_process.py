@@ -1,0 +1,265 @@
+"""The dispatcher in a process of its own (`tputune serve`; TPUTUNE_DISPATCHER_PROCESS, the default).
+
+Why: the API serves requests on one interpreter, and a dispatcher thread there takes its share of the GIL.
+Capped by TPUTUNE_DISPATCHER_BUSY_SHARE it still cost POST /jobs about a third of its throughput while it
+failed the jobs being created (bench/README.md). In a process of its own it runs on another core.
+
+How:
+- The API process starts `python -m api.dispatch_process` and writes the settings to its stdin as one JSON
+  line. After that each byte written there asks for a pass now (a job was created or cancelled).
+- The child stops when that pipe closes: when the API stops, or dies (SIGKILL included). It ends the step
+  it is in first; each step is one idempotent move of one job, so the next dispatcher picks up from there.
+- One dispatcher per data dir at a time: the child holds flock(2) of `<data_dir>/dispatcher.lock` while it
+  runs. One started while an older one still ends its step waits for it.
+- The API starts another child if one exits on its own (a crash), after a pause.
+- SQLite writes of both processes queue on one lock (api.db.SerializedWrites), not in SQLite's busy handler.
+- The child's figures for /metrics (its last pass, launches) are in `<data_dir>/dispatcher.stats`, a small
+  file both processes map.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import mmap
+import os
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from pydantic import SecretStr
+
+from api.settings import Settings
+
+log = logging.getLogger("api.dispatch_process")  # (run as __main__)
+
+LOCK_FILE = "dispatcher.lock"
+STATS_FILE = "dispatcher.stats"
+RESTART_SECONDS = 1.0  # before starting another child after one exited on its own
+STOP_SECONDS = 15.0  # a child that has not ended its step by then is killed
+_STATS = struct.Struct("dd")  # the last pass (Unix time), launches
+_WAKE_PENDING = _STATS.size  # then a byte: 1 while a wake-up byte is in the pipe, unread
+
+
+class SharedStats(Collector):
+    """The dispatcher's figures in a file mapped by both processes: the child writes (DispatcherStats), the
+    API's /metrics reads (a Prometheus collector). And whether a wake-up is pending (see wake())."""
+
+    def __init__(self, path: Path, reset: bool = False) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if reset:
+                os.ftruncate(fd, 0)  # a new API process: its counters start at zero
+            os.ftruncate(fd, _STATS.size + 1)
+            self._map = mmap.mmap(fd, _STATS.size + 1)
+        finally:
+            os.close(fd)
+
+    def read(self) -> tuple[float, float]:
+        last_pass, launches = _STATS.unpack_from(self._map)
+        return last_pass, launches
+
+    def passed(self) -> None:
+        struct.pack_into("d", self._map, 0, time.time())
+
+    def launched(self) -> None:
+        launches = self.read()[1]
+        struct.pack_into("d", self._map, 8, launches + 1)  # one writer: the child's dispatcher thread
+
+    def wake_pending(self) -> bool:
+        return self._map[_WAKE_PENDING] == 1
+
+    def set_wake_pending(self, pending: bool) -> None:
+        self._map[_WAKE_PENDING] = int(pending)
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        from api.observability import LAST_PASS, LAUNCHES
+
+        last_pass, launches = self.read()
+        yield CounterMetricFamily(LAUNCHES[0], LAUNCHES[1], value=launches)
+        yield GaugeMetricFamily(LAST_PASS[0], LAST_PASS[1], value=last_pass)
+
+
+def settings_line(settings: Settings) -> bytes:
+    """The settings as the child rebuilds them: every field, secrets included (over a pipe, not argv)."""
+    values = settings.model_dump(mode="json")
+    for name, value in settings:
+        if isinstance(value, SecretStr):
+            values[name] = value.get_secret_value()
+    return json.dumps(values).encode() + b"\n"
+
+
+class DispatcherProcess:
+    """The API's side: starts the child, wakes it, restarts it if it dies, stops it."""
+
+    def __init__(self, settings: Settings, stats: SharedStats) -> None:
+        self.settings = settings
+        self.stats = stats
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._wake_fd: int | None = None
+        self._stopping = threading.Event()
+        self._guard = threading.Lock()
+        self._watcher: threading.Thread | None = None
+        self.starts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> None:
+        with self._guard:
+            self._spawn()
+        self._watcher = threading.Thread(target=self._watch, name="tputune-dispatcher-watch", daemon=True)
+        self._watcher.start()
+
+    def _spawn(self) -> None:
+        self.stats.set_wake_pending(False)  # a child that died may have left it set; a new one passes first
+        proc = subprocess.Popen([sys.executable, "-m", "api.dispatch_process"], stdin=subprocess.PIPE)
+        stdin: IO[bytes] = proc.stdin  # type: ignore[assignment]
+        try:
+            stdin.write(settings_line(self.settings))
+            stdin.flush()
+        except BrokenPipeError:
+            pass  # it died at once: _watch says so and starts another
+        fd = stdin.fileno()
+        os.set_blocking(fd, False)  # wake() never waits: a full pipe already holds a wake-up
+        self._proc, self._wake_fd = proc, fd
+        self.starts += 1
+
+    def wake(self) -> None:
+        """Ask for a pass. One byte in the pipe is enough: the child clears the pending flag when it reads
+        it, before the pass it asks for, so a commit made while it is set is seen by that pass. (A write
+        per commit cost the job writer a fifth of its time: the kernel ran the woken reader at once.)"""
+        if self.stats.wake_pending():
+            return
+        with self._guard:  # the pipe is not closed meanwhile (its number could then name another file)
+            if self._wake_fd is None:
+                return
+            self.stats.set_wake_pending(True)
+            # A full pipe holds wake-ups enough; a closed one is a child gone (_watch starts another).
+            with contextlib.suppress(OSError):
+                os.write(self._wake_fd, b"w")
+
+    def _watch(self) -> None:
+        while True:
+            proc = self._proc
+            assert proc is not None
+            code = proc.wait()
+            if self._stopping.is_set():
+                return
+            log.error(
+                "the dispatcher process exited with status %s; starting another in %.0f s",
+                code,
+                RESTART_SECONDS,
+            )
+            if self._stopping.wait(RESTART_SECONDS):
+                return
+            with self._guard:
+                if self._stopping.is_set():
+                    return
+                assert proc.stdin is not None
+                proc.stdin.close()
+                self._wake_fd = None
+                self._spawn()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        with self._guard:
+            proc, self._wake_fd = self._proc, None
+            if proc is None:
+                return
+            assert proc.stdin is not None
+            proc.stdin.close()  # the child ends its step and exits
+        try:
+            proc.wait(timeout=STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            log.warning("the dispatcher process did not stop within %.0f s; killing it", STOP_SECONDS)
+            proc.kill()
+            proc.wait()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+
+
+# --- the child ---
+
+
+def _lock(path: Path, stopping: threading.Event) -> int | None:
+    """Hold flock(2) of `path` (kept until the process exits); None if told to stop while waiting."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    waited = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if not waited:
+                log.info("another dispatcher runs on %s; waiting for it to stop", path.parent)
+                waited = True
+        if stopping.wait(0.1):
+            os.close(fd)
+            return None
+
+
+def main() -> int:
+    # The API stops us by closing stdin; Ctrl-C in a terminal reaches the whole process group.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    line = sys.stdin.buffer.readline()
+    if not line:
+        return 0
+    settings = Settings(**json.loads(line))
+
+    from api.observability import configure_logging
+
+    configure_logging(settings.log_level, settings.log_format == "json")
+    stopping = threading.Event()
+    dispatcher = None
+
+    stats = SharedStats(settings.data_dir / STATS_FILE)
+
+    def read_wakes() -> None:
+        while os.read(0, 4096):
+            stats.set_wake_pending(False)  # before the pass: a later commit asks for another
+            if dispatcher is not None:
+                dispatcher.wake()
+        stopping.set()  # EOF: the API stopped or died
+        if dispatcher is not None:
+            dispatcher.request_stop()
+
+    threading.Thread(target=read_wakes, name="tputune-dispatcher-wakes", daemon=True).start()
+    if _lock(settings.data_dir / LOCK_FILE, stopping) is None:
+        return 0
+
+    from api.db import make_engine
+    from api.dispatcher import make_dispatcher
+    from api.executors import Closeable, make_executor
+
+    engine = make_engine(settings.resolved_database_url, pool_size=2)
+    executor = make_executor(settings)
+    dispatcher = make_dispatcher(engine, executor, settings, stats)
+    if stopping.is_set():  # (before `dispatcher` was set, read_wakes could not tell it)
+        return 0
+    log.info("dispatcher process %d started", os.getpid())
+    if dispatcher.leader is not None:
+        dispatcher.leader.start()
+    try:
+        dispatcher.run()
+    finally:
+        dispatcher.stop()  # the leader hands the Lease over
+        if isinstance(executor, Closeable):
+            executor.close()
+        engine.dispose()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
