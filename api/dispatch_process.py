@@ -221,6 +221,8 @@ def main() -> int:
     from api.observability import configure_logging
 
     configure_logging(settings.log_level, settings.log_format == "json")
+    if settings.dispatcher_nice:
+        os.nice(settings.dispatcher_nice)  # CPU to the API's requests first; the dispatcher catches up after
     stopping = threading.Event()
     dispatcher = None
 

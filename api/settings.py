@@ -48,6 +48,12 @@ class Settings(BaseSettings):
         description="Run the dispatcher in a process of its own, on another core (false: a thread of the "
         "API's process).",
     )
+    dispatcher_nice: int = Field(
+        default=10,
+        ge=0,
+        le=19,
+        description="The dispatcher process's niceness: on a busy machine the API's requests go first.",
+    )
     dispatcher_busy_share: float = Field(
         default=0.25,
         gt=0,
