@@ -11,7 +11,8 @@ What runs, per database:
 - `tputune serve` (one uvicorn process, its defaults: uvloop + httptools when installed, access log on)
   with default settings except TPUTUNE_DATA_DIR (a temp dir), TPUTUNE_PORT (a free port),
   TPUTUNE_DATABASE_URL (PostgreSQL only: a throwaway server from tests/support/postgres.py) and
-  TPUTUNE_WORKER_COMMAND (a Python process that only sleeps). The dispatcher runs as always.
+  TPUTUNE_WORKER_COMMAND (a Python process that only sleeps). The dispatcher runs as always: a child
+  process of the server, whose CPU is reported apart (`disp`).
 - Jobs the benchmark creates through `POST /jobs` name a dataset under the data dir that does not exist:
   the API accepts them (it checks only that the path is under an allowed root) and the dispatcher fails
   each one at its first pass (`dataset_not_found`): two status transitions, no process started. That is
@@ -337,6 +338,8 @@ class ApiServer:
             "http": "httptools" if "/httptools/" in maps else "h11",
             "access_log": "on (tputune.access, the default; to server.log)",
             "threads_at_start": threads,
+            # TPUTUNE_DISPATCHER_PROCESS (the default): the server's one child process.
+            "dispatcher_processes": len(children_of(self.pid)),
             "command": " ".join(self.command()),
         }
 
