@@ -16,7 +16,6 @@ from api.errors import DatabaseUnavailable
 from api.migrate import upgrade
 from api.reader import InlineReader, PostgresReader, SqliteReader, make_reader
 from tests.support.postgres import PostgresServer
-from tests.test_faults import own_postgres  # noqa: F401  (a fixture: a server this test may stop)
 from tests.test_progress import metrics, post, started_job
 
 
@@ -119,7 +118,7 @@ def test_postgres_reader_replaces_a_connection_the_server_dropped(postgres_db_ur
 
 @pytest.mark.postgres
 def test_postgres_reader_fails_fast_while_the_database_is_away(
-    own_postgres: PostgresServer,  # noqa: F811
+    own_postgres: PostgresServer,
 ) -> None:
     url = own_postgres.create_database("reader")
     upgrade(url)
