@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import math
 import os
+import secrets
 import signal
 import threading
 import time
@@ -348,12 +349,15 @@ class _Run:
         self.last_loss: float | None = None
         self.last_eval: tuple[int, float] | None = None
         self.status_count = 0
+        # Tells this attempt's status messages from an earlier one's: a restarted worker says "loading ..."
+        # at step 0 again, which the API would otherwise drop as a retry of the first attempt's report.
+        self.attempt = secrets.token_hex(4)
 
     def status(self, message: str, phase: Any = None, step: int = 0) -> None:
         log.info("%s", message)
         # Several messages can share a step: the key keeps each one (the API stores one per kind/step/key).
         self.status_count += 1
-        key = f"{phase or 'note'}-{self.status_count}"
+        key = f"{phase or 'note'}-{self.attempt}-{self.status_count}"
         self.reporter.send(StatusReport(step=step, phase=phase, message=message, key=key))
 
     def execute(self) -> int:

@@ -90,6 +90,9 @@ def test_sigterm_saves_a_checkpoint_and_the_restart_resumes_exactly(
     assert train.run(config, second, TEST_OPTIONS) == EXIT_OK
 
     assert f"resumed from the checkpoint at step {stopped}" in [s.message for s in second.of_kind("status")]
+    # The API keeps one status report per (step, key): none of the restart's may pass for the first's.
+    keys = [{(s.step, s.key) for s in attempt.of_kind("status")} for attempt in (first, second)]
+    assert not keys[0] & keys[1]
     resumed = losses(second.reports)
     assert sorted(resumed) == list(range(stopped + 1, 13))
     combined = {**losses(first.reports), **resumed}
