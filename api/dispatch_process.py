@@ -110,11 +110,6 @@ class DispatcherProcess:
         self._stopping = threading.Event()
         self._guard = threading.Lock()
         self._watcher: threading.Thread | None = None
-        self.starts = 0
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
 
     def start(self) -> None:
         with self._guard:
@@ -134,7 +129,6 @@ class DispatcherProcess:
         fd = stdin.fileno()
         os.set_blocking(fd, False)  # wake() never waits: a full pipe already holds a wake-up
         self._proc, self._wake_fd = proc, fd
-        self.starts += 1
 
     def wake(self) -> None:
         """Ask for a pass. One byte in the pipe is enough: the child clears the pending flag when it reads
