@@ -98,8 +98,8 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
     settings.ensure_dirs()
     engine = engine or make_engine(settings.resolved_database_url, settings.database_pool_size)
     executor = make_executor(settings)
-    load = RequestLoad()
     job_reader = make_reader(engine)
+    load = None
     dispatcher: Dispatcher | DispatcherProcess | None = None
     if settings.dispatcher_enabled and settings.dispatcher_process:
         stats = SharedStats(settings.data_dir / STATS_FILE, reset=True)
@@ -108,6 +108,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
     else:
         metrics = Metrics(engine)
         if settings.dispatcher_enabled:
+            load = RequestLoad()  # a dispatcher thread yields to requests (a process does not share the GIL)
             dispatcher = make_dispatcher(engine, executor, settings, metrics, api_busy=load.busy)
     job_writer = make_writer(engine, on_commit=dispatcher.wake if dispatcher is not None else None)
 

@@ -122,7 +122,7 @@ class RequestContext:
         self.app = app
         self.metrics = metrics
         self.log_requests = log_requests
-        self.load = load or RequestLoad()
+        self.load = load  # only a dispatcher thread reads it
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -132,7 +132,8 @@ class RequestContext:
         request_id = incoming[:64] if incoming.isprintable() and incoming else secrets.token_hex(8)
         token = request_id_var.set(request_id)
         started = time.perf_counter()
-        self.load.last_request = time.monotonic()
+        if self.load is not None:
+            self.load.last_request = time.monotonic()
         status = 500
 
         async def send_with_id(message: Message) -> None:

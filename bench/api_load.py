@@ -73,6 +73,7 @@ from sqlalchemy.engine import Engine  # noqa: E402
 from api.db import make_engine  # noqa: E402
 from api.jobs import new_job_id, new_job_token  # noqa: E402
 from api.models import Job, JobEvent, JobMetadata, utcnow  # noqa: E402
+from tests.support.serve import children  # noqa: E402
 
 JOBS: Table = Job.__table__  # type: ignore[attr-defined]
 EVENTS: Table = JobEvent.__table__  # type: ignore[attr-defined]
@@ -189,20 +190,6 @@ def proc_cpu_seconds(pid: int, reaped_children: bool = False) -> float:
     return ticks / CLK_TCK
 
 
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
-            found.append(int(entry.name))
-    return found
-
-
 def machine_cpu() -> tuple[float, float]:
     """(busy, total) jiffies of the whole machine."""
     values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
@@ -221,19 +208,19 @@ class CpuWatch:
         """The postmaster and its live backends, plus the backends that ended (the postmaster reaps them)."""
         if self.postmaster_pid is None:
             return 0.0
-        live = sum(proc_cpu_seconds(p) for p in children_of(self.postmaster_pid))
+        live = sum(proc_cpu_seconds(p) for p in children(self.postmaster_pid, zombies=True))
         return proc_cpu_seconds(self.postmaster_pid, reaped_children=True) + live
 
     def _sample(self) -> dict[str, float]:
         busy, total = machine_cpu()
-        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        waited = resource.getrusage(resource.RUSAGE_CHILDREN)
         return {
             "wall": time.monotonic(),
             "server": proc_cpu_seconds(self.server_pid),
             # The server's one child: its dispatcher process (TPUTUNE_DISPATCHER_PROCESS, the default).
-            "dispatcher": sum(proc_cpu_seconds(p) for p in children_of(self.server_pid)),
+            "dispatcher": sum(proc_cpu_seconds(p) for p in children(self.server_pid, zombies=True)),
             "postgres": self._postgres(),
-            "wrk": children.ru_utime + children.ru_stime,  # only wrk ends (is waited for) in a phase
+            "wrk": waited.ru_utime + waited.ru_stime,  # only wrk ends (is waited for) in a phase
             "busy": busy,
             "total": total,
         }
@@ -339,7 +326,7 @@ class ApiServer:
             "access_log": "on (tputune.access, the default; to server.log)",
             "threads_at_start": threads,
             # TPUTUNE_DISPATCHER_PROCESS (the default): the server's one child process.
-            "dispatcher_processes": len(children_of(self.pid)),
+            "dispatcher_processes": len(children(self.pid)),
             "command": " ".join(self.command()),
         }
 

@@ -35,18 +35,24 @@ def wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 180) -> No
     raise AssertionError("API did not come up")
 
 
-def children(pid: int) -> list[int]:
-    """The live child processes of `pid` (zombies excluded)."""
+def _state_and_parent(stat_path: str | Path) -> tuple[str, int] | None:
+    """A process's state letter and parent pid from /proc/<pid>/stat (None once it is gone)."""
+    try:
+        stat = Path(stat_path).read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+    return fields[0], int(fields[1])
+
+
+def children(pid: int, zombies: bool = False) -> list[int]:
+    """The child processes of `pid` (zombies only if asked: their CPU time still counts)."""
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
-        if fields[0] != "Z" and int(fields[1]) == pid:
+        seen = _state_and_parent(Path(entry.path, "stat"))
+        if seen is not None and seen[1] == pid and (zombies or seen[0] != "Z"):
             found.append(int(entry.name))
     return found
 
@@ -59,8 +65,5 @@ def command_line(pid: int) -> list[str]:
 
 
 def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
+    seen = _state_and_parent(f"/proc/{pid}/stat")
+    return seen is not None and seen[0] != "Z"
