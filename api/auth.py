@@ -6,12 +6,18 @@ refuses non-loopback addresses, see Settings.check_exposure).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import hmac
+import mmap
+import os
 import secrets
+import struct
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
@@ -25,6 +31,7 @@ DEFAULT_TENANT = "default"
 COOKIE_NAME = "tputune_key"
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 _CACHE_SECONDS = 5.0
+BUCKETS_FILE = "ratelimit.buckets"
 
 
 @dataclass(frozen=True)
@@ -59,12 +66,12 @@ class Authenticator:
     """Resolves a bearer key to a Principal; caches lookups for a few seconds (revocation in this
     process takes effect at once; other replicas see it within the cache time)."""
 
-    def __init__(self, engine: Engine, settings: Settings) -> None:
+    def __init__(self, engine: Engine, settings: Settings, buckets: Buckets | None = None) -> None:
         self.engine = engine
         self.settings = settings
         self._cache: dict[str, tuple[float, Principal | None]] = {}
         self._lock = threading.Lock()
-        self._buckets: dict[str, tuple[float, float]] = {}
+        self.buckets = buckets or LocalBuckets()
 
     def authenticate(self, key: str | None) -> Principal:
         principal = self.authenticate_cached(key)
@@ -109,18 +116,87 @@ class Authenticator:
         rate = self.settings.rate_limit_per_second
         if rate <= 0 or principal.key_id in ("anonymous", "admin"):
             return
-        burst = float(self.settings.rate_limit_burst)
+        retry = self.buckets.take(principal.key_id, rate, float(self.settings.rate_limit_burst))
+        if retry is not None:
+            raise ApiError(
+                429,
+                "rate_limited",
+                f"Too many requests for this key; retry in {retry} s.",
+                headers={"Retry-After": str(retry)},
+            )
+
+
+class Buckets(Protocol):
+    def take(self, key: str, rate: float, burst: float) -> int | None:
+        """Spend a token of `key`'s bucket; None if there was one, else the seconds until there is."""
+
+
+def _spend(tokens: float, last: float, now: float, rate: float, burst: float) -> tuple[float, int | None]:
+    tokens = min(burst, tokens + (now - last) * rate)
+    if tokens < 1.0:
+        return tokens, max(1, int((1.0 - tokens) / rate + 0.999))
+    return tokens - 1.0, None
+
+
+class LocalBuckets:
+    """The buckets of one API process."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: str, rate: float, burst: float) -> int | None:
         now = time.monotonic()
         with self._lock:
-            tokens, last = self._buckets.get(principal.key_id, (burst, now))
-            tokens = min(burst, tokens + (now - last) * rate)
-            if tokens < 1.0:
-                self._buckets[principal.key_id] = (tokens, now)
-                retry = max(1, int((1.0 - tokens) / rate + 0.999))
-                raise ApiError(
-                    429,
-                    "rate_limited",
-                    f"Too many requests for this key; retry in {retry} s.",
-                    headers={"Retry-After": str(retry)},
-                )
-            self._buckets[principal.key_id] = (tokens - 1.0, now)
+            tokens, last = self._buckets.get(key, (burst, now))
+            tokens, retry = _spend(tokens, last, now, rate, burst)
+            self._buckets[key] = (tokens, now)
+        return retry
+
+
+_SLOT = struct.Struct("Qdd")  # key hash (0: free), tokens, when (time.monotonic: the same in every process)
+
+
+class SharedBuckets:
+    """The buckets in a file all of `tputune serve --workers N`'s processes map, so that a key's limit holds
+    whichever worker its requests reach. An open-addressed table under flock(2); with more than `slots`
+    keys active, the one seen least recently is forgotten (its bucket starts full again)."""
+
+    PROBES = 32
+
+    def __init__(self, path: Path, reset: bool = False, slots: int = 4096) -> None:
+        self.slots = slots
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if reset:
+            os.ftruncate(self._fd, 0)  # a new server: every bucket starts full
+        os.ftruncate(self._fd, slots * _SLOT.size)
+        self._map = mmap.mmap(self._fd, slots * _SLOT.size)
+        self._lock = threading.Lock()  # flock(2) does not exclude this process's other threads
+
+    def take(self, key: str, rate: float, burst: float) -> int | None:
+        digest = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") or 1
+        now = time.monotonic()
+        with self._lock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                offset = self._slot(digest)
+                stored, tokens, last = _SLOT.unpack_from(self._map, offset)
+                if stored != digest:
+                    tokens, last = burst, now
+                tokens, retry = _spend(tokens, last, now, rate, burst)
+                _SLOT.pack_into(self._map, offset, digest, tokens, now)
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return retry
+
+    def _slot(self, digest: int) -> int:
+        """The offset of `digest`'s slot: its own, else a free one, else the least recently used probed."""
+        oldest, oldest_when = 0, float("inf")
+        for probe in range(self.PROBES):
+            offset = ((digest + probe) % self.slots) * _SLOT.size
+            stored, _, when = _SLOT.unpack_from(self._map, offset)
+            if stored in (digest, 0):
+                return offset
+            if when < oldest_when:
+                oldest, oldest_when = offset, when
+        return oldest

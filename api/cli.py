@@ -12,59 +12,16 @@ from typing import Any
 from api.client import FINAL_STATUSES, ApiError, Client
 
 EXIT_CODES = {"succeeded": 0, "failed": 1, "cancelled": 2}
-SWITCH_INTERVAL_SECONDS = 0.001
 
 
 # --- server side ---
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    from api.server import run
 
-    from api.main import create_app
-    from api.migrate import upgrade
-    from api.observability import configure_logging
-    from api.settings import Settings
-
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    settings = Settings(**overrides)
-    settings.check_exposure()
-    settings.ensure_dirs()
-    configure_logging(settings.log_level, settings.log_format == "json")
-    upgrade(settings.resolved_database_url)
-    app = create_app(settings)
-    _freeze_startup_objects()
-    # The event loop shares the interpreter with the job writer thread (and the dispatcher's, when it is not a
-    # process of its own; these figures were measured so). A thread that got an answer from the database
-    # waits for the loop to let go of the GIL: up to the switch interval, 5 ms by default, per round trip.
-    # At 1 ms, POST /jobs at 64 clients (2 cores, 2 runs each): SQLite 1,910-2,490
-    # req/s, p99 42-52 ms (5 ms: 1,650-1,940, p99 57-63); PostgreSQL 2,089-2,200, p99 54-56 ms (5 ms:
-    # 1,484-1,900, p99 65-74).
-    sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
-    print(f"tputune: serving on http://{settings.host}:{settings.port} (docs at /docs)", flush=True)
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level.lower(),
-        log_config=None,
-        access_log=False,  # RequestContext writes the access log (with the request id)
-        timeout_keep_alive=settings.keep_alive_seconds,
-    )
-    return 0
-
-
-def _freeze_startup_objects() -> None:
-    """Move everything allocated so far (the imported modules, the app) out of the garbage collector's
-    sight. A full collection walked all of it, pausing every request for tens of ms: with 64 clients,
-    p99 of GET /jobs/{id} was ~150 ms with the collector as is, ~70 ms without it."""
-    import gc
-
-    import uvicorn.loops.auto
-    import uvicorn.protocols.http.auto  # noqa: F401  (uvloop and httptools, when installed)
-
-    gc.collect()
-    gc.freeze()
+    pairs = (("host", args.host), ("port", args.port), ("workers", args.workers))
+    return run({name: value for name, value in pairs if value is not None})
 
 
 def migrate(args: argparse.Namespace) -> int:
@@ -329,6 +286,11 @@ def parser() -> argparse.ArgumentParser:
     p = commands.add_parser("serve", help="run the API (migrates the database first)")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="API processes sharing the port (env TPUTUNE_WORKERS; default one per CPU core, at most 4)",
+    )
     p.set_defaults(func=serve)
     p = commands.add_parser("migrate", help="upgrade (or --down: downgrade) the database schema")
     p.add_argument("revision", nargs="?", default="head")

@@ -128,7 +128,7 @@ async def get_executor(request: Request) -> Executor:
 
 
 class Wakes(Protocol):
-    """The dispatcher, a thread (api.dispatcher) or a process (api.dispatch_process)."""
+    """Wakes the dispatcher: its thread (api.dispatcher), or its process (api.dispatch_process.Waker)."""
 
     def wake(self) -> None: ...
 

@@ -5,27 +5,29 @@ Capped by TPUTUNE_DISPATCHER_BUSY_SHARE it still cost POST /jobs about a third o
 failed the jobs being created (bench/README.md). In a process of its own it runs on another core.
 
 How:
-- The API process starts `python -m api.dispatch_process` and writes the settings to its stdin as one JSON
-  line. After that each byte written there asks for a pass now (a job was created or cancelled).
-- The child stops when that pipe closes: when the API stops, or dies (SIGKILL included). It ends the step
-  it is in first; each step is one idempotent move of one job, so the next dispatcher picks up from there.
+- The server starts `python -m api.dispatch_process` and writes the settings to its stdin as one JSON line.
+  With `--workers N` that is the parent process, which serves no requests itself; else the one API process.
+- The child stops when that pipe closes: when the server stops, or dies (SIGKILL included). It ends the
+  step it is in first; each step is one idempotent move of one job, so the next dispatcher picks up there.
+- A byte written to the FIFO `<data_dir>/dispatcher.wake` asks for a pass now (a job was created or
+  cancelled). Every API process can write there, whichever of them started the child (Waker).
 - One dispatcher per data dir at a time: the child holds flock(2) of `<data_dir>/dispatcher.lock` while it
-  runs. One started while an older one still ends its step waits for it.
-- The API starts another child if one exits on its own (a crash), after a pause.
-- SQLite writes of both processes queue on one lock (api.db.SerializedWrites), not in SQLite's busy handler.
-- The child's figures for /metrics (its last pass, launches) are in `<data_dir>/dispatcher.stats`, a small
-  file both processes map.
+  runs, and only then reads the FIFO. One started while an older one still ends its step waits for it.
+- The server starts another child if one exits on its own (a crash), after a pause.
+- SQLite writes of all the processes queue on one lock (api.db), not in SQLite's busy handler.
+- The child's figures for /metrics (its last pass, launches), and whether a wake-up is pending, are in
+  `<data_dir>/dispatcher.stats`, a small file all the processes map.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import logging
 import mmap
 import os
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -33,7 +35,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -41,25 +43,29 @@ from pydantic import SecretStr
 
 from api.settings import Settings
 
+if TYPE_CHECKING:
+    from api.dispatcher import Dispatcher
+
 log = logging.getLogger("api.dispatch_process")  # (run as __main__)
 
 LOCK_FILE = "dispatcher.lock"
 STATS_FILE = "dispatcher.stats"
+WAKE_FILE = "dispatcher.wake"
 RESTART_SECONDS = 1.0  # before starting another child after one exited on its own
 STOP_SECONDS = 15.0  # a child that has not ended its step by then is killed
 _STATS = struct.Struct("dd")  # the last pass (Unix time), launches
-_WAKE_PENDING = _STATS.size  # then a byte: 1 while a wake-up byte is in the pipe, unread
+_WAKE_PENDING = _STATS.size  # then a byte: 1 while a wake-up byte is in the FIFO, unread
 
 
 class SharedStats(Collector):
-    """The dispatcher's figures in a file mapped by both processes: the child writes (DispatcherStats), the
-    API's /metrics reads (a Prometheus collector). And whether a wake-up is pending (see wake())."""
+    """The dispatcher's figures in a file mapped by all the processes: the child writes (DispatcherStats),
+    the API's /metrics reads (a Prometheus collector). And whether a wake-up is pending (see Waker)."""
 
     def __init__(self, path: Path, reset: bool = False) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             if reset:
-                os.ftruncate(fd, 0)  # a new API process: its counters start at zero
+                os.ftruncate(fd, 0)  # a new server: its counters start at zero
             os.ftruncate(fd, _STATS.size + 1)
             self._map = mmap.mmap(fd, _STATS.size + 1)
         finally:
@@ -99,14 +105,64 @@ def settings_line(settings: Settings) -> bytes:
     return json.dumps(values).encode() + b"\n"
 
 
-class DispatcherProcess:
-    """The API's side: starts the child, wakes it, restarts it if it dies, stops it."""
+def make_fifo(path: Path) -> None:
+    """The wake-up FIFO; it stays (writers keep it open across dispatcher restarts)."""
+    try:
+        os.mkfifo(path, 0o600)
+    except FileExistsError:
+        if not stat.S_ISFIFO(os.stat(path).st_mode):
+            os.unlink(path)
+            os.mkfifo(path, 0o600)
 
-    def __init__(self, settings: Settings, stats: SharedStats) -> None:
-        self.settings = settings
+
+class Waker:
+    """Asks the dispatcher process for a pass: a byte in its FIFO, from any API process.
+
+    Only when no wake-up is pending: the child clears the flag when it reads the FIFO, before the pass
+    it asks for, so a commit made while it is set is seen by that pass. (A write per commit cost the job
+    writer a fifth of its time: the kernel ran the woken reader at once.)"""
+
+    def __init__(self, path: Path, stats: SharedStats) -> None:
+        self.path = path
         self.stats = stats
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+
+    def wake(self) -> None:
+        if self.stats.wake_pending():
+            return
+        with self._lock:
+            if self._fd is None:
+                try:
+                    self._fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                except OSError:  # no dispatcher reads it now (ENXIO): the next one passes when it starts
+                    return
+            self.stats.set_wake_pending(True)
+            try:
+                os.write(self._fd, b"w")
+            except BlockingIOError:
+                pass  # a full FIFO holds wake-ups enough
+            except OSError:  # EPIPE: the dispatcher is gone; its successor passes when it starts
+                os.close(self._fd)
+                self._fd = None
+                self.stats.set_wake_pending(False)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+class DispatcherProcess:
+    """The server's side: starts the child, restarts it if it dies, stops it. (Waker wakes it.)"""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        # A new server: the counters start at zero, and no wake-up is pending.
+        self.stats = SharedStats(settings.data_dir / STATS_FILE, reset=True)
+        make_fifo(settings.data_dir / WAKE_FILE)
         self._proc: subprocess.Popen[bytes] | None = None
-        self._wake_fd: int | None = None
         self._stopping = threading.Event()
         self._guard = threading.Lock()
         self._watcher: threading.Thread | None = None
@@ -118,7 +174,6 @@ class DispatcherProcess:
         self._watcher.start()
 
     def _spawn(self) -> None:
-        self.stats.set_wake_pending(False)  # a child that died may have left it set; a new one passes first
         proc = subprocess.Popen([sys.executable, "-m", "api.dispatch_process"], stdin=subprocess.PIPE)
         stdin: IO[bytes] = proc.stdin  # type: ignore[assignment]
         try:
@@ -126,23 +181,7 @@ class DispatcherProcess:
             stdin.flush()
         except BrokenPipeError:
             pass  # it died at once: _watch says so and starts another
-        fd = stdin.fileno()
-        os.set_blocking(fd, False)  # wake() never waits: a full pipe already holds a wake-up
-        self._proc, self._wake_fd = proc, fd
-
-    def wake(self) -> None:
-        """Ask for a pass. One byte in the pipe is enough: the child clears the pending flag when it reads
-        it, before the pass it asks for, so a commit made while it is set is seen by that pass. (A write
-        per commit cost the job writer a fifth of its time: the kernel ran the woken reader at once.)"""
-        if self.stats.wake_pending():
-            return
-        with self._guard:  # the pipe is not closed meanwhile (its number could then name another file)
-            if self._wake_fd is None:
-                return
-            self.stats.set_wake_pending(True)
-            # A full pipe holds wake-ups enough; a closed one is a child gone (_watch starts another).
-            with contextlib.suppress(OSError):
-                os.write(self._wake_fd, b"w")
+        self._proc = proc
 
     def _watch(self) -> None:
         while True:
@@ -163,13 +202,12 @@ class DispatcherProcess:
                     return
                 assert proc.stdin is not None
                 proc.stdin.close()
-                self._wake_fd = None
                 self._spawn()
 
     def stop(self) -> None:
         self._stopping.set()
         with self._guard:
-            proc, self._wake_fd = self._proc, None
+            proc = self._proc
             if proc is None:
                 return
             assert proc.stdin is not None
@@ -204,8 +242,27 @@ def _lock(path: Path, stopping: threading.Event) -> int | None:
             return None
 
 
+def _read_wakes(path: Path, stats: SharedStats, dispatcher: Dispatcher) -> None:
+    """Open the wake-up FIFO and, in a thread, turn each read from it into a pass."""
+    make_fifo(path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    # A writer of our own: reads wait for bytes instead of seeing end-of-file while no API process holds
+    # the FIFO open. (Kept until the process exits.)
+    os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    os.set_blocking(fd, True)
+    stats.set_wake_pending(False)  # left set by a predecessor that died? the first pass sees every commit
+
+    def read() -> None:
+        while True:
+            os.read(fd, 4096)
+            stats.set_wake_pending(False)  # before the pass: a later commit asks for another
+            dispatcher.wake()
+
+    threading.Thread(target=read, name="tputune-dispatcher-wakes", daemon=True).start()
+
+
 def main() -> int:
-    # The API stops us by closing stdin; Ctrl-C in a terminal reaches the whole process group.
+    # The server stops us by closing stdin; Ctrl-C in a terminal reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     line = sys.stdin.buffer.readline()
     if not line:
@@ -218,20 +275,16 @@ def main() -> int:
     if settings.dispatcher_nice:
         os.nice(settings.dispatcher_nice)  # CPU to the API's requests first; the dispatcher catches up after
     stopping = threading.Event()
-    dispatcher = None
+    dispatcher: Dispatcher | None = None
 
-    stats = SharedStats(settings.data_dir / STATS_FILE)
-
-    def read_wakes() -> None:
+    def watch_stdin() -> None:
         while os.read(0, 4096):
-            stats.set_wake_pending(False)  # before the pass: a later commit asks for another
-            if dispatcher is not None:
-                dispatcher.wake()
-        stopping.set()  # EOF: the API stopped or died
+            pass
+        stopping.set()  # EOF: the server stopped or died
         if dispatcher is not None:
             dispatcher.request_stop()
 
-    threading.Thread(target=read_wakes, name="tputune-dispatcher-wakes", daemon=True).start()
+    threading.Thread(target=watch_stdin, name="tputune-dispatcher-stdin", daemon=True).start()
     if _lock(settings.data_dir / LOCK_FILE, stopping) is None:
         return 0
 
@@ -239,11 +292,14 @@ def main() -> int:
     from api.dispatcher import make_dispatcher
     from api.executors import Closeable, make_executor
 
+    stats = SharedStats(settings.data_dir / STATS_FILE)
     engine = make_engine(settings.resolved_database_url, pool_size=2)
     executor = make_executor(settings)
     dispatcher = make_dispatcher(engine, executor, settings, stats)
-    if stopping.is_set():  # (before `dispatcher` was set, read_wakes could not tell it)
+    if stopping.is_set():  # (before `dispatcher` was set, watch_stdin could not tell it)
         return 0
+    # Only the dispatcher that holds the lock reads wake-ups: one waiting for it would take them.
+    _read_wakes(settings.data_dir / WAKE_FILE, stats, dispatcher)
     log.info("dispatcher process %d started", os.getpid())
     if dispatcher.leader is not None:
         dispatcher.leader.start()

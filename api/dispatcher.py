@@ -102,6 +102,7 @@ class Dispatcher:
     def run(self) -> None:
         """The loop, until stop()."""
         while not self._stop.is_set():
+            self._wake.clear()  # before the pass: a wake-up during it asks for another
             more = False
             try:
                 more = self.tick()
@@ -109,7 +110,6 @@ class Dispatcher:
                 log.exception("dispatcher pass failed; retrying")
             if not more:  # a pass that took a full page of jobs goes on at once (a burst of submissions)
                 self._wake.wait(self.settings.dispatch_interval_seconds)
-            self._wake.clear()
 
     def tick(self) -> bool:
         """One pass; True if it left jobs for the next one (it takes `PAGE` jobs of each kind at most)."""

@@ -12,10 +12,10 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import errors
-from api.auth import Authenticator
+from api.auth import BUCKETS_FILE, Authenticator, LocalBuckets, SharedBuckets
 from api.db import make_engine
-from api.deps import CloseSessions
-from api.dispatch_process import STATS_FILE, DispatcherProcess, SharedStats
+from api.deps import CloseSessions, Wakes
+from api.dispatch_process import STATS_FILE, WAKE_FILE, DispatcherProcess, SharedStats, Waker
 from api.dispatcher import Dispatcher, make_dispatcher
 from api.executors import Closeable, make_executor
 from api.observability import Metrics, RequestContext, RequestLoad
@@ -93,7 +93,10 @@ class BodySizeLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, engine: Any = None, worker: bool = False) -> FastAPI:
+    """The app. `worker`: one of `tputune serve --workers N`'s processes (api.server): its parent runs the
+    dispatcher, metrics are summed over the workers (PROMETHEUS_MULTIPROC_DIR), and the rate limits are
+    shared with them."""
     settings = settings or Settings()
     settings.ensure_dirs()
     engine = engine or make_engine(settings.resolved_database_url, settings.database_pool_size)
@@ -101,16 +104,22 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
     job_reader = make_reader(engine)
     load = None
     dispatcher: Dispatcher | DispatcherProcess | None = None
-    if settings.dispatcher_enabled and settings.dispatcher_process:
-        stats = SharedStats(settings.data_dir / STATS_FILE, reset=True)
-        metrics = Metrics(engine, dispatcher_stats=stats)
-        dispatcher = DispatcherProcess(settings, stats)
+    wakes: Wakes | None = None
+    if settings.dispatcher_enabled and (settings.dispatcher_process or worker):
+        if worker:
+            stats = SharedStats(settings.data_dir / STATS_FILE)  # (the parent's DispatcherProcess made it)
+        else:
+            dispatcher = DispatcherProcess(settings)
+            stats = dispatcher.stats
+        metrics = Metrics(engine, dispatcher_stats=stats, multiprocess=worker)
+        wakes = Waker(settings.data_dir / WAKE_FILE, stats)
     else:
-        metrics = Metrics(engine)
+        metrics = Metrics(engine, multiprocess=worker)
         if settings.dispatcher_enabled:
             load = RequestLoad()  # a dispatcher thread yields to requests (a process does not share the GIL)
-            dispatcher = make_dispatcher(engine, executor, settings, metrics, api_busy=load.busy)
-    job_writer = make_writer(engine, on_commit=dispatcher.wake if dispatcher is not None else None)
+            dispatcher = wakes = make_dispatcher(engine, executor, settings, metrics, api_busy=load.busy)
+    job_writer = make_writer(engine, on_commit=wakes.wake if wakes is not None else None)
+    buckets = SharedBuckets(settings.data_dir / BUCKETS_FILE) if worker else LocalBuckets()
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -125,6 +134,8 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
             job_writer.close()
             if dispatcher is not None:
                 dispatcher.stop()
+            if isinstance(wakes, Waker):
+                wakes.close()
             if isinstance(executor, Closeable):
                 executor.close()
             await job_reader.close()
@@ -142,9 +153,9 @@ def create_app(settings: Settings | None = None, *, engine: Any = None) -> FastA
     app.state.job_reader = job_reader
     app.state.job_writer = job_writer
     app.state.executor = executor
-    app.state.dispatcher = dispatcher
+    app.state.dispatcher = wakes
     app.state.leader = dispatcher.leader if isinstance(dispatcher, Dispatcher) else None
-    app.state.auth = Authenticator(engine, settings)
+    app.state.auth = Authenticator(engine, settings, buckets)
     app.state.metrics = metrics
     errors.install(app)
     app.include_router(health.router)

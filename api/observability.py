@@ -10,8 +10,9 @@ import time
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from sqlalchemy import func
 from sqlalchemy.engine import Engine
@@ -27,28 +28,43 @@ job_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("job_id"
 
 class Metrics:
     """One registry per app (tests build many apps in one process). The dispatcher's figures are kept here
-    when it runs in this process (a thread), else read from `dispatcher_stats` (its process's)."""
+    when it runs in this process (a thread), else read from `dispatcher_stats` (its process's).
 
-    def __init__(self, engine: Engine, dispatcher_stats: Collector | None = None) -> None:
+    `multiprocess`: this is one of `tputune serve --workers N`'s processes. The request and report counts
+    then live in files under PROMETHEUS_MULTIPROC_DIR (prometheus_client's multiprocess mode, which that
+    variable turns on when the module is first imported), and /metrics sums every worker's, whichever
+    worker a scrape reaches."""
+
+    def __init__(
+        self, engine: Engine, dispatcher_stats: Collector | None = None, multiprocess: bool = False
+    ) -> None:
         self.registry = CollectorRegistry()
+        own: CollectorRegistry | None = self.registry
+        if multiprocess:
+            if values.ValueClass is values.MutexValue:
+                raise RuntimeError(
+                    "PROMETHEUS_MULTIPROC_DIR was not set before prometheus_client was imported"
+                )
+            MultiProcessCollector(self.registry)
+            own = None  # the values are in the files, which the collector reads
         self.requests = Counter(
-            "tputune_http_requests", "HTTP requests", ["method", "route", "status"], registry=self.registry
+            "tputune_http_requests", "HTTP requests", ["method", "route", "status"], registry=own
         )
         self.latency = Histogram(
             "tputune_http_request_duration_seconds",
             "HTTP request latency",
             ["method", "route"],
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
-            registry=self.registry,
+            registry=own,
         )
-        self.reports = Counter("tputune_worker_reports", "Worker reports stored", registry=self.registry)
+        self.reports = Counter("tputune_worker_reports", "Worker reports stored", registry=own)
         self.launches: Counter | None = None
         self.last_pass: Gauge | None = None
         if dispatcher_stats is not None:
             self.registry.register(dispatcher_stats)
         else:
-            self.launches = Counter(LAUNCHES[0], LAUNCHES[1], registry=self.registry)
-            self.last_pass = Gauge(LAST_PASS[0], LAST_PASS[1], registry=self.registry)
+            self.launches = Counter(LAUNCHES[0], LAUNCHES[1], registry=own)
+            self.last_pass = Gauge(LAST_PASS[0], LAST_PASS[1], registry=own, multiprocess_mode="max")
         self.registry.register(_JobsByStatus(engine))
 
     # --- DispatcherStats, for a dispatcher thread ---

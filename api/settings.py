@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from functools import cached_property
@@ -10,6 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+AUTO_WORKERS_MAX = 4  # TPUTUNE_WORKERS=0: a worker per core, up to this many
 
 
 def _default_data_dir() -> Path:
@@ -87,6 +90,13 @@ class Settings(BaseSettings):
         ge=1,
         description="How long an idle client connection stays open (behind a load balancer: longer than "
         "its own idle timeout, or it sees resets; Google Cloud's is 600 s).",
+    )
+    workers: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description="API processes sharing the port (`tputune serve`); 0: one per CPU core this process "
+        f"may use, at most {AUTO_WORKERS_MAX}. The dispatcher runs in a process of its own besides.",
     )
     worker_threads: int = Field(
         default=8, ge=1, le=256, description="Threads that run the API's blocking route code."
@@ -180,6 +190,15 @@ class Settings(BaseSettings):
                 f"tputune: refusing to serve {self.host} without authentication; set TPUTUNE_ADMIN_KEY "
                 "(or TPUTUNE_ALLOW_UNAUTHENTICATED=true to accept the risk)."
             )
+
+    @property
+    def resolved_workers(self) -> int:
+        if self.workers:
+            return self.workers
+        if self.dispatcher_enabled and not self.dispatcher_process:
+            return 1  # a dispatcher thread per worker would be one dispatcher too many
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, min(AUTO_WORKERS_MAX, cores))
 
     @cached_property
     def resolved_database_url(self) -> str:

@@ -8,11 +8,12 @@ Prints a table per database and, as its last line, one JSON object with every fi
 checks the targets and says which are met, and exits 0 either way (1 only if the run itself broke).
 
 What runs, per database:
-- `tputune serve` (one uvicorn process, its defaults: uvloop + httptools when installed, access log on)
-  with default settings except TPUTUNE_DATA_DIR (a temp dir), TPUTUNE_PORT (a free port),
-  TPUTUNE_DATABASE_URL (PostgreSQL only: a throwaway server from tests/support/postgres.py) and
-  TPUTUNE_WORKER_COMMAND (a Python process that only sleeps). The dispatcher runs as always: a child
-  process of the server, whose CPU is reported apart (`disp`).
+- `tputune serve` (uvicorn's defaults: uvloop + httptools when installed, access log on) with default
+  settings except TPUTUNE_DATA_DIR (a temp dir), TPUTUNE_PORT (a free port), TPUTUNE_DATABASE_URL
+  (PostgreSQL only: a throwaway server from tests/support/postgres.py), TPUTUNE_WORKER_COMMAND (a Python
+  process that only sleeps) and, given `--workers N`, TPUTUNE_WORKERS. The dispatcher runs as always: a
+  child process of the server, whose CPU is reported apart (`disp`); `server` is the CPU of the server's
+  process and of its API workers together.
 - Jobs the benchmark creates through `POST /jobs` name a dataset under the data dir that does not exist:
   the API accepts them (it checks only that the path is under an allowed root) and the dispatcher fails
   each one at its first pass (`dataset_not_found`): two status transitions, no process started. That is
@@ -73,7 +74,7 @@ from sqlalchemy.engine import Engine  # noqa: E402
 from api.db import make_engine  # noqa: E402
 from api.jobs import new_job_id, new_job_token  # noqa: E402
 from api.models import Job, JobEvent, JobMetadata, utcnow  # noqa: E402
-from tests.support.serve import children  # noqa: E402
+from tests.support.serve import children, command_line  # noqa: E402
 
 JOBS: Table = Job.__table__  # type: ignore[attr-defined]
 EVENTS: Table = JobEvent.__table__  # type: ignore[attr-defined]
@@ -216,9 +217,12 @@ class CpuWatch:
         waited = resource.getrusage(resource.RUSAGE_CHILDREN)
         return {
             "wall": time.monotonic(),
-            "server": proc_cpu_seconds(self.server_pid),
-            # The server's one child: its dispatcher process (TPUTUNE_DISPATCHER_PROCESS, the default).
-            "dispatcher": sum(proc_cpu_seconds(p) for p in children(self.server_pid, zombies=True)),
+            "server": proc_cpu_seconds(self.server_pid)
+            + sum(map(proc_cpu_seconds, api_workers(self.server_pid))),
+            # Its dispatcher process (TPUTUNE_DISPATCHER_PROCESS, the default), and one that ended.
+            "dispatcher": sum(
+                proc_cpu_seconds(p) for p in children(self.server_pid, zombies=True) if not is_api_worker(p)
+            ),
             "postgres": self._postgres(),
             "wrk": waited.ru_utime + waited.ru_stime,  # only wrk ends (is waited for) in a phase
             "busy": busy,
@@ -251,6 +255,16 @@ class CpuWatch:
 # --- the server under test ---------------------------------------------------------------------------------
 
 
+def is_api_worker(pid: int) -> bool:
+    """One of `tputune serve --workers N`'s processes (uvicorn's, started by multiprocessing), or its
+    resource tracker (idle)."""
+    return "from multiprocessing" in " ".join(command_line(pid))
+
+
+def api_workers(server: int) -> list[int]:
+    return [pid for pid in children(server) if is_api_worker(pid)]
+
+
 def free_port() -> int:
     import socket
 
@@ -262,8 +276,11 @@ def free_port() -> int:
 class ApiServer:
     """`tputune serve` as a subprocess, with default settings but for the ones named in the docstring."""
 
-    def __init__(self, workdir: Path, database_url: str | None, source: Path = ROOT) -> None:
+    def __init__(
+        self, workdir: Path, database_url: str | None, source: Path = ROOT, workers: int | None = None
+    ) -> None:
         self.source = source
+        self.workers = workers
         self.workdir = workdir
         self.data_dir = workdir / "state"
         self.port = free_port()
@@ -290,6 +307,8 @@ class ApiServer:
         )
         if not self.database_url.startswith("sqlite"):
             env["TPUTUNE_DATABASE_URL"] = self.database_url
+        if self.workers is not None:
+            env["TPUTUNE_WORKERS"] = str(self.workers)
         with open(self.log_path, "ab") as log:
             # cwd: the temp dir, so no `.env` file of the checkout changes the settings.
             self.proc = subprocess.Popen(
@@ -316,17 +335,19 @@ class ApiServer:
         """What the running server really loaded: uvloop and httptools show up in its memory map."""
         import uvicorn
 
-        maps = Path(f"/proc/{self.pid}/maps").read_text()
-        threads = len(os.listdir(f"/proc/{self.pid}/task"))
+        workers = [pid for pid in api_workers(self.pid) if "spawn_main" in " ".join(command_line(pid))]
+        serving = workers[0] if workers else self.pid
+        maps = Path(f"/proc/{serving}/maps").read_text()
+        threads = len(os.listdir(f"/proc/{serving}/task"))
         return {
             "uvicorn": uvicorn.__version__,
-            "workers": 1,
+            "workers": len(workers) or 1,
             "loop": "uvloop" if "/uvloop/" in maps else "asyncio",
             "http": "httptools" if "/httptools/" in maps else "h11",
             "access_log": "on (tputune.access, the default; to server.log)",
             "threads_at_start": threads,
-            # TPUTUNE_DISPATCHER_PROCESS (the default): the server's one child process.
-            "dispatcher_processes": len(children(self.pid)),
+            # TPUTUNE_DISPATCHER_PROCESS (the default): the server's one child process but its workers.
+            "dispatcher_processes": len([p for p in children(self.pid) if not is_api_worker(p)]),
             "command": " ".join(self.command()),
         }
 
@@ -692,7 +713,7 @@ def run_database(kind: str, args: argparse.Namespace, base: Path) -> dict[str, A
         pg.start()
         database_url = pg.url
         postmaster = int((pg.data_dir / "postmaster.pid").read_text().split()[0])
-    server = ApiServer(workdir, database_url, args.source)
+    server = ApiServer(workdir, database_url, args.source, args.workers)
     engine = make_engine(server.database_url)
     phases: dict[str, Any] = {}
     result: dict[str, Any] = {"database": kind, "phases": phases}
@@ -938,6 +959,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=ROOT,
         help="run the server from this copy of the code (its api/, worker/ and migrations/), e.g. an older "
         "version to compare with; default: this checkout",
+    )
+    p.add_argument(
+        "--workers", type=int, default=None, help="TPUTUNE_WORKERS of the server (default: its default)"
     )
     p.add_argument("--keep", action="store_true", help="keep the temp dirs (server logs, databases)")
     args = p.parse_args(argv)

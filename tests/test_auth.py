@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 
-from api.auth import COOKIE_NAME
+from api.auth import COOKIE_NAME, SharedBuckets
 from api.main import create_app
 from api.settings import Settings
 
@@ -192,3 +192,24 @@ def test_refuses_open_network_address_without_auth(tmp_path: Path) -> None:
         Settings(data_dir=tmp_path, host="0.0.0.0").check_exposure()
     Settings(data_dir=tmp_path, host="0.0.0.0", admin_key="k").check_exposure()
     Settings(data_dir=tmp_path, host="127.0.0.1").check_exposure()
+
+
+def test_shared_buckets_are_one_bucket_per_key_across_mappings(tmp_path: Path) -> None:
+    """What `tputune serve --workers N` relies on: each process maps the file, and they spend one bucket."""
+    path = tmp_path / "buckets"
+    first, second = SharedBuckets(path, reset=True), SharedBuckets(path)
+    taken = [(first if i % 2 else second).take("key_a", rate=0.001, burst=4) for i in range(6)]
+    assert taken[:4] == [None] * 4 and all(retry is not None and retry >= 1 for retry in taken[4:])
+    assert second.take("key_b", rate=0.001, burst=4) is None  # another key, another bucket
+    assert SharedBuckets(path, reset=True).take("key_a", rate=0.001, burst=4) is None  # a new server
+
+
+def test_shared_buckets_forget_the_least_recently_seen_key_when_full(tmp_path: Path) -> None:
+    buckets = SharedBuckets(tmp_path / "buckets", reset=True, slots=4)
+    for key in ("a", "b", "c", "d"):
+        assert buckets.take(key, rate=0.001, burst=1) is None
+    assert buckets.take("a", rate=0.001, burst=1) is not None  # still there: spent
+    assert buckets.take("e", rate=0.001, burst=1) is None  # took the slot of "b", seen least recently
+    assert buckets.take("b", rate=0.001, burst=1) is None  # forgotten: a full bucket again (in c's slot)
+    assert buckets.take("a", rate=0.001, burst=1) is not None  # seen lately: kept
+    assert buckets.take("c", rate=0.001, burst=1) is None  # forgotten for b

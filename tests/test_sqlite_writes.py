@@ -7,6 +7,8 @@ at once with "database is locked" if the lock did not make it wait for the other
 
 from __future__ import annotations
 
+import fcntl
+import os
 import subprocess
 import sys
 import threading
@@ -19,7 +21,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
-from api.db import make_engine
+from api.db import WRITE_LOCK_SUFFIX, _WriteLock, make_engine
 
 
 def _engine(path: Path) -> Engine:
@@ -120,7 +122,7 @@ def test_separate_database_files_do_not_share_a_lock(tmp_path: Path) -> None:
 HOLDER = """
 import sys
 from sqlalchemy import event
-from api.db import make_engine
+from api.db import WRITE_LOCK_SUFFIX, _WriteLock, make_engine
 engine = make_engine(sys.argv[1])
 @event.listens_for(engine, "connect")
 def _no_busy_wait(dbapi_connection, _record):
@@ -158,3 +160,51 @@ def test_a_writer_waits_for_another_process_s_write_transaction(tmp_path: Path) 
     with engine.connect() as connection:
         rows = connection.exec_driver_sql("SELECT k, who FROM t ORDER BY k").all()
     assert [tuple(row) for row in rows] == [(1, "other process"), (2, "this process")]
+
+
+def test_a_writer_that_gives_up_waiting_for_the_file_lock_leaves_it_free(tmp_path: Path) -> None:
+    """flock(2) has no timeout: a thread waits in it, and a writer past its deadline goes on without the lock
+    (to SQLite's busy handler). When the lock comes free later that thread must let it go again, and the
+    next writer must get it."""
+    path = str(tmp_path / "db.sqlite")
+    other = os.open(path + WRITE_LOCK_SUFFIX, os.O_RDWR | os.O_CREAT)  # another open file: another process
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        lock = _WriteLock(path)
+        started = time.monotonic()
+        assert lock.acquire(timeout=0.3)
+        assert 0.3 <= time.monotonic() - started < 5
+        assert not lock._flocked  # went on without it
+        lock.release()
+        fcntl.flock(other, fcntl.LOCK_UN)  # the waiting thread gets it now, for a writer that left
+        time.sleep(0.2)
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ... and let it go: free
+        fcntl.flock(other, fcntl.LOCK_UN)
+        assert lock.acquire(timeout=5) and lock._flocked
+        with pytest.raises(BlockingIOError):  # held for this writer
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.release()
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(other)
+
+
+def test_a_writer_waiting_for_another_process_gets_the_lock_when_it_is_let_go(tmp_path: Path) -> None:
+    path = str(tmp_path / "db.sqlite")
+    other = os.open(path + WRITE_LOCK_SUFFIX, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        lock = _WriteLock(path)
+        got: list[bool] = []
+        waiter = threading.Thread(target=lambda: got.append(lock.acquire(timeout=30) and lock._flocked))
+        waiter.start()
+        waiter.join(timeout=0.3)
+        assert waiter.is_alive()  # waits
+        fcntl.flock(other, fcntl.LOCK_UN)
+        waiter.join(timeout=5)
+        assert got == [True]
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.release()
+    finally:
+        os.close(other)

@@ -1,0 +1,161 @@
+"""`tputune serve --workers N` (api/server.py): N API processes on one port, under a real server.
+
+What is checked: /metrics sums the counts of every worker, whichever one a scrape reaches, and keeps the
+counts of a worker that died (uvicorn replaces it); a key's rate limit holds across the workers; the
+workers and the dispatcher do not outlive a supervisor killed with SIGKILL, and a new server binds the
+port at once; a thread dispatcher is refused with more than one worker. (The dispatcher's side of it,
+woken by any worker, is in test_dispatch_process.py, which runs each test with one and two workers.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from tests.support.serve import Server, alive, children, command_line, dispatchers, wait_for
+
+pytestmark = pytest.mark.slow
+
+ADMIN = "admin-key-for-the-workers-test"
+
+
+def workers(server: Server) -> list[int]:
+    assert server.proc is not None
+    return [pid for pid in children(server.proc.pid) if "spawn_main" in " ".join(command_line(pid))]
+
+
+def served(server: Server, route: str) -> dict[int, float]:
+    """Requests to `route` each worker answered, from its own file in PROMETHEUS_MULTIPROC_DIR."""
+    pids = workers(server)
+    assert pids, "no worker processes"
+    environ = Path(f"/proc/{pids[0]}/environ").read_bytes().split(b"\0")
+    folder = Path(
+        next(v.split(b"=", 1)[1] for v in environ if v.startswith(b"PROMETHEUS_MULTIPROC_DIR=")).decode()
+    )
+    counts = {}
+    for pid in pids:
+        total = 0.0
+        path = folder / f"counter_{pid}.db"
+        metrics = MultiProcessCollector.merge([str(path)], accumulate=True) if path.exists() else []
+        for metric in metrics:
+            for sample in metric.samples:
+                if sample.name == "tputune_http_requests_total" and sample.labels["route"] == route:
+                    total += sample.value
+        counts[pid] = total
+    return counts
+
+
+def total(server: Server, route: str, status: str = "200") -> float:
+    found = 0.0
+    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        labels = (f'route="{route}"', f'status="{status}"')
+        if line.startswith("tputune_http_requests_total{") and all(label in line for label in labels):
+            found += float(line.split()[-1])
+    return found
+
+
+def until_every_worker_served(server: Server, route: str, send: Callable[[], object], least: int = 1) -> int:
+    """Send requests on new connections, 8 at a time, until every worker has answered `least` of them;
+    how many were sent."""
+    sent = 0
+    with ThreadPoolExecutor(8) as pool:
+        while min(served(server, route).values()) < least:
+            assert sent < 4000, f"a worker answered none of {sent} requests: {served(server, route)}"
+            list(pool.map(lambda _: send(), range(8)))
+            sent += 8
+    return sent
+
+
+@pytest.fixture
+def two_workers(tmp_path: Path, dataset: Path) -> Iterator[Server]:
+    running = Server(tmp_path, dataset, workers=2)
+    running.start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_metrics_sum_the_workers_counts_and_keep_a_dead_workers(two_workers: Server) -> None:
+    server = two_workers
+    assert len(workers(server)) == 2
+    before = total(server, "/healthz")
+    sent = until_every_worker_served(server, "/healthz", lambda: httpx.get(f"{server.url}/healthz"))
+    # Every scrape, whichever worker answers it, counts the requests of both.
+    for _ in range(4):
+        assert total(server, "/healthz") - before == sent
+    victim = workers(server)[0]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: victim not in workers(server) and len(workers(server)) == 2, "uvicorn to replace it")
+    assert httpx.get(f"{server.url}/healthz").status_code == 200  # (the other worker holds the port)
+    # The dead worker's counts stay (a counter never goes back), and no request is counted twice.
+    assert total(server, "/healthz") - before == sent + 1
+
+
+def test_a_keys_rate_limit_holds_across_the_workers(tmp_path: Path, dataset: Path) -> None:
+    server = Server(
+        tmp_path,
+        dataset,
+        workers=2,
+        TPUTUNE_ADMIN_KEY=ADMIN,
+        TPUTUNE_RATE_LIMIT_PER_SECOND="0.5",
+        TPUTUNE_RATE_LIMIT_BURST="10",
+    )
+    server.start()
+    try:
+        created = httpx.post(
+            f"{server.url}/admin/keys",
+            json={"tenant": "alpha", "name": "ci"},
+            headers={"Authorization": f"Bearer {ADMIN}"},
+        )
+        assert created.status_code == 201, created.text
+        key = created.json()["key"]
+        codes: list[int] = []
+
+        def send() -> None:
+            response = httpx.get(f"{server.url}/jobs", headers={"Authorization": f"Bearer {key}"})
+            codes.append(response.status_code)
+
+        started = time.monotonic()
+        # Each worker answers more than the burst: with a bucket per process 20 would pass, not 10.
+        until_every_worker_served(server, "/jobs", send, least=12)
+        elapsed = time.monotonic() - started
+        assert set(codes) == {200, 429}
+        assert 10 <= codes.count(200) <= 10 + int(elapsed * 0.5) + 1, (codes.count(200), elapsed)
+    finally:
+        server.stop()
+
+
+def test_workers_and_dispatcher_die_with_a_killed_supervisor(two_workers: Server) -> None:
+    server = two_workers
+    assert server.proc is not None
+    doomed = [*workers(server), server.dispatcher()]
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait()
+    wait_for(lambda: not any(alive(pid) for pid in doomed), "the workers and the dispatcher to exit", 15)
+    # Nothing holds the port: a new server (same port, same data dir) comes up at once.
+    server.start()
+    assert len(workers(server)) == 2 and len(dispatchers(server.proc.pid)) == 1
+
+
+def test_more_than_one_worker_needs_the_dispatcher_process(tmp_path: Path) -> None:
+    env = {**os.environ, "TPUTUNE_DATA_DIR": str(tmp_path), "TPUTUNE_DISPATCHER_PROCESS": "false"}
+    done = subprocess.run(
+        [sys.executable, "-m", "api.cli", "serve", "--workers", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "TPUTUNE_WORKERS > 1 needs the dispatcher in a process of its own" in done.stderr
