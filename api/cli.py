@@ -289,7 +289,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workers",
         type=int,
-        help="API processes sharing the port (env TPUTUNE_WORKERS; default one per CPU core, at most 4)",
+        help="API processes sharing the port (env TPUTUNE_WORKERS, default 1; 0: one per core, at most 4)",
     )
     p.set_defaults(func=serve)
     p = commands.add_parser("migrate", help="upgrade (or --down: downgrade) the database schema")

@@ -178,6 +178,8 @@ class Dispatcher:
             # Its run exists but the platform holds it for quota: quota decides, not the tenant cap.
             self._follow_held(session, job)
             return
+        if self._local_data_unusable(session, job):
+            return  # (even over its tenant's cap: it would never run)
         waiting = self._over_tenant_cap(session, job)
         if waiting is not None:
             # Over the cap a job waits its turn; it is never rejected.
@@ -187,6 +189,25 @@ class Dispatcher:
             if job.tenant in self._tenant_jobs:
                 self._tenant_jobs[job.tenant].append(job)
             self._launch(session, job)
+
+    def _local_data_unusable(self, session: Session, job: Job) -> bool:
+        """A job whose local dataset (or validation file) is missing, empty or unreadable fails at once, in
+        one move (queued → failed): checking a file takes microseconds, there is no `starting` to show
+        meanwhile, and one transaction where there were two (a burst of such jobs kept the dispatcher busy
+        for a minute after it ended, bench/README.md). Cloud Storage checks may take seconds: those jobs
+        are `starting` ("Checking the dataset.") while they run, as before (_launch)."""
+        uris = [uri for uri in (job.spec["dataset_uri"], job.spec.get("validation_uri")) if uri]
+        if any(uri.startswith("gs://") for uri in uris):
+            return False
+        try:
+            for uri, what in zip(uris, ("dataset", "validation"), strict=False):
+                check_dataset(uri, self.settings, what=what)
+        except DatasetUnavailable as exc:
+            service.transition(
+                session, job, JobStatus.failed, exc.message, error_code=exc.code, error_message=exc.message
+            )
+            return True
+        return False
 
     def _over_tenant_cap(self, session: Session, job: Job) -> str | None:
         """Why `job` must wait for its tenant's running jobs (TPUTUNE_TENANT_MAX_ACTIVE_*), or None."""

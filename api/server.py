@@ -1,8 +1,9 @@
 """`tputune serve`: the API under uvicorn, in one process or in `--workers N` processes sharing the port.
 
-The default (TPUTUNE_WORKERS=0) is a worker per CPU core the process may use, up to 4. On 2 cores, two
-workers served POST /jobs at 1,864-2,036 req/s with p99 62-68 ms where one served 1,159 with p99 92 (and
-healthz 9,300-9,600 against 4,200-4,600): one process is bound to one core by the GIL.
+One process is the default (TPUTUNE_WORKERS=1; 0: one per CPU core, up to 4). More serve more requests
+on more cores, since one process is bound to one core by the GIL, but on 2 cores they do not meet more of
+bench/api_load.py's targets (bench/README.md, "Two API processes"): POST /jobs, whose p99 misses, stays
+CPU-bound with the machine full, and GET /jobs/{id} falls to about half the doubled ceiling.
 
 One worker: this process serves requests and starts the dispatcher process (api.dispatch_process).
 

@@ -92,7 +92,7 @@ class Settings(BaseSettings):
         "its own idle timeout, or it sees resets; Google Cloud's is 600 s).",
     )
     workers: int = Field(
-        default=0,
+        default=1,
         ge=0,
         le=64,
         description="API processes sharing the port (`tputune serve`); 0: one per CPU core this process "

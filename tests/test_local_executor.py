@@ -78,7 +78,11 @@ def test_missing_dataset_fails_before_launch(live_api, data_root: Path) -> None:
     assert job["status"] == "failed"
     assert job["error"]["code"] == "dataset_not_found"
     assert "nope.jsonl" in job["error"]["message"]
-    assert not any(e["type"] == "launch" for e in events(api, job_id))
+    seen = events(api, job_id)
+    assert not any(e["type"] == "launch" for e in seen)
+    # A local file is checked before the job is claimed: one move, no `starting` in between.
+    moves = [(e["data"]["from"], e["data"]["status"]) for e in seen if "from" in (e.get("data") or {})]
+    assert moves == [("queued", "failed")]
 
 
 def _runner_pid(api, job_id: str) -> int:  # type: ignore[no-untyped-def]
