@@ -16,7 +16,7 @@ What runs, per database:
   process and of its API workers together.
 - Jobs the benchmark creates through `POST /jobs` name a dataset under the data dir that does not exist:
   the API accepts them (it checks only that the path is under an allowed root) and the dispatcher fails
-  each one at its first pass (`dataset_not_found`): two status transitions, no process started. That is
+  each one at its first pass (`dataset_not_found`): one status transition, no process started. That is
   the least work the dispatcher can do per job, so POST /jobs figures include it but no worker launches.
 - The progress jobs (`--ingest-jobs`, default 8) name a dataset that exists, so the dispatcher launches
   them for real; their "worker" is the sleeping process, which never reports, so the job stays
