@@ -28,11 +28,13 @@ import signal
 import sys
 import tempfile
 import threading
+from pathlib import Path
 from typing import Any
 
 SWITCH_INTERVAL_SECONDS = 0.001
 SUPERVISOR_ENV = "TPUTUNE_SUPERVISOR_PID"  # set by run() for the workers; not a setting
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+METRICS_DIR_PREFIX = "tputune-metrics-"  # then the server's pid: one left by a killed server is removed
 
 log = logging.getLogger("api.server")
 
@@ -83,7 +85,8 @@ def run(overrides: dict[str, Any]) -> int:
         os.environ[f"TPUTUNE_{name.upper()}"] = str(value)
     os.environ["TPUTUNE_WORKERS"] = str(workers)
     os.environ[SUPERVISOR_ENV] = str(os.getpid())
-    metrics_dir = tempfile.mkdtemp(prefix="tputune-metrics-")
+    _remove_dead_metrics_dirs()
+    metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
     os.environ[METRICS_DIR_ENV] = metrics_dir
     SharedBuckets(settings.data_dir / BUCKETS_FILE, reset=True)
     dispatcher = DispatcherProcess(settings) if settings.dispatcher_enabled else None
@@ -96,6 +99,24 @@ def run(overrides: dict[str, Any]) -> int:
             dispatcher.stop()
         shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
+
+
+def _remove_dead_metrics_dirs() -> None:
+    """The metrics folders of servers that died without removing theirs (SIGKILL)."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{METRICS_DIR_PREFIX}*-*"):
+        pid = folder.name.removeprefix(METRICS_DIR_PREFIX).partition("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's
+    return True
 
 
 def worker_app() -> Any:

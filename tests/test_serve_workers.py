@@ -34,14 +34,20 @@ def workers(server: Server) -> list[int]:
     return [pid for pid in children(server.proc.pid) if "spawn_main" in " ".join(command_line(pid))]
 
 
-def served(server: Server, route: str) -> dict[int, float]:
-    """Requests to `route` each worker answered, from its own file in PROMETHEUS_MULTIPROC_DIR."""
+def metrics_dir(server: Server) -> Path:
+    """The workers' PROMETHEUS_MULTIPROC_DIR."""
     pids = workers(server)
     assert pids, "no worker processes"
     environ = Path(f"/proc/{pids[0]}/environ").read_bytes().split(b"\0")
-    folder = Path(
+    return Path(
         next(v.split(b"=", 1)[1] for v in environ if v.startswith(b"PROMETHEUS_MULTIPROC_DIR=")).decode()
     )
+
+
+def served(server: Server, route: str) -> dict[int, float]:
+    """Requests to `route` each worker answered, from its own file in PROMETHEUS_MULTIPROC_DIR."""
+    pids = workers(server)
+    folder = metrics_dir(server)
     counts = {}
     for pid in pids:
         total = 0.0
@@ -140,12 +146,15 @@ def test_workers_and_dispatcher_die_with_a_killed_supervisor(two_workers: Server
     server = two_workers
     assert server.proc is not None
     doomed = [*workers(server), server.dispatcher()]
+    left = metrics_dir(server)
     server.proc.send_signal(signal.SIGKILL)
     server.proc.wait()
     wait_for(lambda: not any(alive(pid) for pid in doomed), "the workers and the dispatcher to exit", 15)
+    assert left.is_dir()  # nobody removed it
     # Nothing holds the port: a new server (same port, same data dir) comes up at once.
     server.start()
     assert len(workers(server)) == 2 and len(dispatchers(server.proc.pid)) == 1
+    assert not left.exists() and metrics_dir(server) != left  # the dead server's metrics are gone
 
 
 def test_more_than_one_worker_needs_the_dispatcher_process(tmp_path: Path) -> None:
