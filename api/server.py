@@ -21,7 +21,6 @@ The API-key cache (5 s) is per process, as it is across replicas.
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import signal
@@ -35,8 +34,6 @@ SWITCH_INTERVAL_SECONDS = 0.001
 SUPERVISOR_ENV = "TPUTUNE_SUPERVISOR_PID"  # set by run() for the workers; not a setting
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 METRICS_DIR_PREFIX = "tputune-metrics-"  # then the server's pid: one left by a killed server is removed
-
-log = logging.getLogger("api.server")
 
 
 def run(overrides: dict[str, Any]) -> int:
