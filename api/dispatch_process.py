@@ -243,8 +243,7 @@ def _lock(path: Path, stopping: threading.Event) -> int | None:
 
 
 def _read_wakes(path: Path, stats: SharedStats, dispatcher: Dispatcher) -> None:
-    """Open the wake-up FIFO and, in a thread, turn each read from it into a pass."""
-    make_fifo(path)
+    """Open the wake-up FIFO (DispatcherProcess made it) and, in a thread, turn each read into a pass."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     # A writer of our own: reads wait for bytes instead of seeing end-of-file while no API process holds
     # the FIFO open. (Kept until the process exits.)

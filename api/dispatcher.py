@@ -178,8 +178,14 @@ class Dispatcher:
             # Its run exists but the platform holds it for quota: quota decides, not the tenant cap.
             self._follow_held(session, job)
             return
-        if self._local_data_unusable(session, job):
-            return  # (even over its tenant's cap: it would never run)
+        # A local file is checked now, before the claim: it takes microseconds, and a job whose data is
+        # unusable then fails in one move (queued → failed), one transaction where `starting` first made
+        # two (a burst of such jobs kept the dispatcher busy for a minute after it ended, bench/README.md),
+        # even over its tenant's cap (it would never run). A Cloud Storage check may take seconds: the job
+        # is `starting` ("Checking the dataset.") while it runs (_launch).
+        local = not any(uri.startswith("gs://") for uri, _ in self._data(job))
+        if local and not self._data_usable(session, job):
+            return
         waiting = self._over_tenant_cap(session, job)
         if waiting is not None:
             # Over the cap a job waits its turn; it is never rejected.
@@ -188,26 +194,30 @@ class Dispatcher:
         if service.transition(session, job, JobStatus.starting, "Checking the dataset."):
             if job.tenant in self._tenant_jobs:
                 self._tenant_jobs[job.tenant].append(job)
-            self._launch(session, job)
+            self._launch(session, job, data_checked=local)
 
-    def _local_data_unusable(self, session: Session, job: Job) -> bool:
-        """A job whose local dataset (or validation file) is missing, empty or unreadable fails at once, in
-        one move (queued → failed): checking a file takes microseconds, there is no `starting` to show
-        meanwhile, and one transaction where there were two (a burst of such jobs kept the dispatcher busy
-        for a minute after it ended, bench/README.md). Cloud Storage checks may take seconds: those jobs
-        are `starting` ("Checking the dataset.") while they run, as before (_launch)."""
-        uris = [uri for uri in (job.spec["dataset_uri"], job.spec.get("validation_uri")) if uri]
-        if any(uri.startswith("gs://") for uri in uris):
-            return False
+    @staticmethod
+    def _data(job: Job) -> list[tuple[str, str]]:
+        """The files a job reads: (URI, what), the dataset and the validation file if it names one."""
+        spec = job.spec
+        return [(spec["dataset_uri"], "dataset")] + (
+            [(spec["validation_uri"], "validation")] if spec.get("validation_uri") else []
+        )
+
+    def _data_usable(self, session: Session, job: Job) -> bool:
+        """Check the job's data; if it is unusable the job fails, if storage did not answer it waits."""
         try:
-            for uri, what in zip(uris, ("dataset", "validation"), strict=False):
+            for uri, what in self._data(job):
                 check_dataset(uri, self.settings, what=what)
         except DatasetUnavailable as exc:
             service.transition(
                 session, job, JobStatus.failed, exc.message, error_code=exc.code, error_message=exc.message
             )
-            return True
-        return False
+            return False
+        except StorageUnreachable as exc:
+            self._note(session, job, f"{exc}; retrying.")
+            return False
+        return True
 
     def _over_tenant_cap(self, session: Session, job: Job) -> str | None:
         """Why `job` must wait for its tenant's running jobs (TPUTUNE_TENANT_MAX_ACTIVE_*), or None."""
@@ -258,19 +268,8 @@ class Dispatcher:
         if service.transition(session, job, JobStatus.starting, admitted):
             self._reconcile(session, job, seen)
 
-    def _launch(self, session: Session, job: Job) -> None:
-        spec = job.spec
-        try:
-            check_dataset(spec["dataset_uri"], self.settings)
-            if spec.get("validation_uri"):
-                check_dataset(spec["validation_uri"], self.settings, what="validation")
-        except DatasetUnavailable as exc:
-            service.transition(
-                session, job, JobStatus.failed, exc.message, error_code=exc.code, error_message=exc.message
-            )
-            return
-        except StorageUnreachable as exc:
-            self._note(session, job, f"{exc}; retrying.")
+    def _launch(self, session: Session, job: Job, data_checked: bool = False) -> None:
+        if not data_checked and not self._data_usable(session, job):
             return
         handle = self.executor.find(job)
         if handle is None:

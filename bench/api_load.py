@@ -74,7 +74,7 @@ from sqlalchemy.engine import Engine  # noqa: E402
 from api.db import make_engine  # noqa: E402
 from api.jobs import new_job_id, new_job_token  # noqa: E402
 from api.models import Job, JobEvent, JobMetadata, utcnow  # noqa: E402
-from tests.support.serve import children, command_line  # noqa: E402
+from tests.support.serve import api_workers, children, dispatchers  # noqa: E402
 
 JOBS: Table = Job.__table__  # type: ignore[attr-defined]
 EVENTS: Table = JobEvent.__table__  # type: ignore[attr-defined]
@@ -215,13 +215,14 @@ class CpuWatch:
     def _sample(self) -> dict[str, float]:
         busy, total = machine_cpu()
         waited = resource.getrusage(resource.RUSAGE_CHILDREN)
+        workers = api_workers(self.server_pid)
         return {
             "wall": time.monotonic(),
-            "server": proc_cpu_seconds(self.server_pid)
-            + sum(map(proc_cpu_seconds, api_workers(self.server_pid))),
-            # Its dispatcher process (TPUTUNE_DISPATCHER_PROCESS, the default), and one that ended.
+            "server": proc_cpu_seconds(self.server_pid) + sum(map(proc_cpu_seconds, workers)),
+            # Its other children: the dispatcher process (TPUTUNE_DISPATCHER_PROCESS, the default), and
+            # one that ended.
             "dispatcher": sum(
-                proc_cpu_seconds(p) for p in children(self.server_pid, zombies=True) if not is_api_worker(p)
+                proc_cpu_seconds(p) for p in children(self.server_pid, zombies=True) if p not in workers
             ),
             "postgres": self._postgres(),
             "wrk": waited.ru_utime + waited.ru_stime,  # only wrk ends (is waited for) in a phase
@@ -253,16 +254,6 @@ class CpuWatch:
 
 
 # --- the server under test ---------------------------------------------------------------------------------
-
-
-def is_api_worker(pid: int) -> bool:
-    """One of `tputune serve --workers N`'s processes (uvicorn's, started by multiprocessing), or its
-    resource tracker (idle)."""
-    return "from multiprocessing" in " ".join(command_line(pid))
-
-
-def api_workers(server: int) -> list[int]:
-    return [pid for pid in children(server) if is_api_worker(pid)]
 
 
 def free_port() -> int:
@@ -335,7 +326,7 @@ class ApiServer:
         """What the running server really loaded: uvloop and httptools show up in its memory map."""
         import uvicorn
 
-        workers = [pid for pid in api_workers(self.pid) if "spawn_main" in " ".join(command_line(pid))]
+        workers = api_workers(self.pid)
         serving = workers[0] if workers else self.pid
         maps = Path(f"/proc/{serving}/maps").read_text()
         threads = len(os.listdir(f"/proc/{serving}/task"))
@@ -346,8 +337,7 @@ class ApiServer:
             "http": "httptools" if "/httptools/" in maps else "h11",
             "access_log": "on (tputune.access, the default; to server.log)",
             "threads_at_start": threads,
-            # TPUTUNE_DISPATCHER_PROCESS (the default): the server's one child process but its workers.
-            "dispatcher_processes": len([p for p in children(self.pid) if not is_api_worker(p)]),
+            "dispatcher_processes": len(dispatchers(self.pid)),  # TPUTUNE_DISPATCHER_PROCESS, the default
             "command": " ".join(self.command()),
         }
 

@@ -26,12 +26,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(params=[1, 2], ids=["one-process", "two-workers"])
 def server(request: pytest.FixtureRequest, tmp_path: Path, dataset: Path) -> Iterator[Server]:
-    running = Server(tmp_path, dataset, workers=request.param)
-    running.start()
-    try:
+    with Server(tmp_path, dataset, workers=request.param) as running:
         yield running
-    finally:
-        running.stop()
 
 
 def test_the_dispatcher_runs_in_its_own_process_and_is_woken_by_a_submission(server: Server) -> None:

@@ -22,7 +22,7 @@ import httpx
 import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from tests.support.serve import Server, alive, children, command_line, dispatchers, wait_for
+from tests.support.serve import Server, alive, api_workers, dispatchers, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -31,14 +31,12 @@ ADMIN = "admin-key-for-the-workers-test"
 
 def workers(server: Server) -> list[int]:
     assert server.proc is not None
-    return [pid for pid in children(server.proc.pid) if "spawn_main" in " ".join(command_line(pid))]
+    return api_workers(server.proc.pid)
 
 
-def metrics_dir(server: Server) -> Path:
-    """The workers' PROMETHEUS_MULTIPROC_DIR."""
-    pids = workers(server)
-    assert pids, "no worker processes"
-    environ = Path(f"/proc/{pids[0]}/environ").read_bytes().split(b"\0")
+def metrics_dir(worker: int) -> Path:
+    """A worker's PROMETHEUS_MULTIPROC_DIR."""
+    environ = Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
     return Path(
         next(v.split(b"=", 1)[1] for v in environ if v.startswith(b"PROMETHEUS_MULTIPROC_DIR=")).decode()
     )
@@ -47,7 +45,8 @@ def metrics_dir(server: Server) -> Path:
 def served(server: Server, route: str) -> dict[int, float]:
     """Requests to `route` each worker answered, from its own file in PROMETHEUS_MULTIPROC_DIR."""
     pids = workers(server)
-    folder = metrics_dir(server)
+    assert pids, "no worker processes"
+    folder = metrics_dir(pids[0])
     counts = {}
     for pid in pids:
         total = 0.0
@@ -84,12 +83,8 @@ def until_every_worker_served(server: Server, route: str, send: Callable[[], obj
 
 @pytest.fixture
 def two_workers(tmp_path: Path, dataset: Path) -> Iterator[Server]:
-    running = Server(tmp_path, dataset, workers=2)
-    running.start()
-    try:
+    with Server(tmp_path, dataset, workers=2) as running:
         yield running
-    finally:
-        running.stop()
 
 
 def test_metrics_sum_the_workers_counts_and_keep_a_dead_workers(two_workers: Server) -> None:
@@ -109,7 +104,7 @@ def test_metrics_sum_the_workers_counts_and_keep_a_dead_workers(two_workers: Ser
 
 
 def test_a_keys_rate_limit_holds_across_the_workers(tmp_path: Path, dataset: Path) -> None:
-    server = Server(
+    limited = Server(
         tmp_path,
         dataset,
         workers=2,
@@ -117,8 +112,7 @@ def test_a_keys_rate_limit_holds_across_the_workers(tmp_path: Path, dataset: Pat
         TPUTUNE_RATE_LIMIT_PER_SECOND="0.5",
         TPUTUNE_RATE_LIMIT_BURST="10",
     )
-    server.start()
-    try:
+    with limited as server:
         created = httpx.post(
             f"{server.url}/admin/keys",
             json={"tenant": "alpha", "name": "ci"},
@@ -138,15 +132,13 @@ def test_a_keys_rate_limit_holds_across_the_workers(tmp_path: Path, dataset: Pat
         elapsed = time.monotonic() - started
         assert set(codes) == {200, 429}
         assert 10 <= codes.count(200) <= 10 + int(elapsed * 0.5) + 1, (codes.count(200), elapsed)
-    finally:
-        server.stop()
 
 
 def test_workers_and_dispatcher_die_with_a_killed_supervisor(two_workers: Server) -> None:
     server = two_workers
     assert server.proc is not None
     doomed = [*workers(server), server.dispatcher()]
-    left = metrics_dir(server)
+    left = metrics_dir(workers(server)[0])
     server.proc.send_signal(signal.SIGKILL)
     server.proc.wait()
     wait_for(lambda: not any(alive(pid) for pid in doomed), "the workers and the dispatcher to exit", 15)
@@ -154,7 +146,7 @@ def test_workers_and_dispatcher_die_with_a_killed_supervisor(two_workers: Server
     # Nothing holds the port: a new server (same port, same data dir) comes up at once.
     server.start()
     assert len(workers(server)) == 2 and len(dispatchers(server.proc.pid)) == 1
-    assert not left.exists() and metrics_dir(server) != left  # the dead server's metrics are gone
+    assert not left.exists() and metrics_dir(workers(server)[0]) != left  # the dead server's are gone
 
 
 def test_more_than_one_worker_needs_the_dispatcher_process(tmp_path: Path) -> None:

@@ -76,6 +76,11 @@ def dispatchers(server: int) -> list[int]:
     return [pid for pid in children(server) if "api.dispatch_process" in command_line(pid)]
 
 
+def api_workers(server: int) -> list[int]:
+    """The API processes of `tputune serve --workers N` (uvicorn's, started by multiprocessing)."""
+    return [pid for pid in children(server) if "spawn_main" in " ".join(command_line(pid))]
+
+
 def wait_for(check: Callable[[], object], what: str, timeout: float = 30) -> object:
     deadline = time.monotonic() + timeout
     while True:
@@ -119,6 +124,13 @@ class Server:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(timeout=30)
+
+    def __enter__(self) -> Server:
+        self.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
 
     def dispatcher(self) -> int:
         assert self.proc is not None
