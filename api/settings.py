@@ -214,7 +214,7 @@ class Settings(BaseSettings):
         roots = [self.data_dir, *self.allowed_data_roots]
         return [Path(root).expanduser().resolve() for root in roots]
 
-    @property
+    @cached_property
     def jobs_dir(self) -> Path:
         return self.data_dir / "jobs"
 
