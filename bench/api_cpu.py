@@ -1,0 +1,202 @@
+"""CPU time per request of the busiest routes, through the app in-process (no HTTP server, no client).
+
+`api_load.py` measures the whole stack under wrk, and its figures move with the VM's speed by a third.
+This one sends requests straight to the ASGI app, `--concurrency` at a time, and divides the process's CPU
+time by the requests answered: a steadier figure for comparing two versions of the route code
+(`--source`). What it leaves out: the HTTP server (uvicorn, httptools), the access log (off here), other
+processes (the dispatcher is off; the job writer's thread is counted).
+
+    .venv/bin/python bench/api_cpu.py                      # SQLite in a temp dir
+    .venv/bin/python bench/api_cpu.py --source /tmp/old    # another checkout's api/, e.g. to compare
+
+It prints a line per route and round, and as its last line one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=10_000, help="requests per route and round (10,000)")
+    p.add_argument("--concurrency", type=int, default=64, help="requests in flight at once (64)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per route (3); the figure is the median")
+    p.add_argument("--source", type=Path, default=ROOT, help="the checkout whose api/ to load")
+    args = p.parse_args(argv)
+    if args.requests < args.concurrency or args.concurrency < 1 or args.rounds < 1:
+        p.error("--requests must be at least --concurrency, both and --rounds at least 1")
+    return args
+
+
+class Asgi:
+    """Requests to an ASGI app without a server: one body, then wait (as a client that keeps the
+    connection open would)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+        headers = [(b"host", b"bench")]
+        if body:
+            headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        sent = False
+        status = 0
+        chunks: list[bytes] = []
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.Event().wait()  # the client stays; never disconnects
+            raise AssertionError
+
+        async def send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": method,
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": headers,
+            "client": ("127.0.0.1", 40000),
+            "server": ("127.0.0.1", 8000),
+        }
+        await self.app(scope, receive, send)
+        return status, b"".join(chunks)
+
+
+async def measure(
+    client: Asgi, method: str, path: str, body: bytes, expect: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    rounds = []
+    for _ in range(args.rounds):
+        collections = sum(stat["collections"] for stat in gc.get_stats())
+        cpu, wall = time.process_time(), time.perf_counter()
+        done = 0
+        while done < args.requests:
+            batch = min(args.concurrency, args.requests - done)
+            answers = await asyncio.gather(*(client.request(method, path, body) for _ in range(batch)))
+            bad = [a for a in answers if a[0] != expect]
+            if bad:
+                raise RuntimeError(f"{method} {path} answered {bad[0][0]}: {bad[0][1][:300]!r}")
+            done += batch
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        rounds.append(
+            {
+                "cpu_ms_per_request": round(1000 * cpu / done, 4),
+                "requests_per_s": round(done / wall, 1),
+                "gc_collections": sum(stat["collections"] for stat in gc.get_stats()) - collections,
+            }
+        )
+        print(
+            f"  {method} {path:<24} {rounds[-1]['cpu_ms_per_request']:.3f} ms CPU/request  "
+            f"{rounds[-1]['requests_per_s']:>8.0f} req/s  gc {rounds[-1]['gc_collections']}",
+            flush=True,
+        )
+    cpus = sorted(r["cpu_ms_per_request"] for r in rounds)
+    return {
+        "method": method,
+        "path": path,
+        "median_cpu_ms_per_request": cpus[len(cpus) // 2],
+        "rounds": rounds,
+    }
+
+
+async def run(args: argparse.Namespace, data_dir: Path) -> dict[str, Any]:
+    import api
+    from api.main import create_app
+    from api.migrate import upgrade
+    from api.settings import Settings
+
+    print(f"  api/ loaded from {Path(api.__file__).parent}", flush=True)
+
+    settings = Settings(  # only these: no TPUTUNE_* variable or .env file of the caller's
+        _env_file=None,  # type: ignore[call-arg]
+        data_dir=data_dir / "state",
+        dispatcher_enabled=False,
+        access_log=False,
+    )
+    settings.ensure_dirs()
+    upgrade(settings.resolved_database_url)
+    app = create_app(settings)
+    client = Asgi(app)
+    datasets = settings.data_dir / "datasets"
+    datasets.mkdir(parents=True, exist_ok=True)
+    (datasets / "train.txt").write_text("Once upon a time.\n")
+    body = json.dumps(_job_body(datasets / "train.txt")).encode()
+    results = {}
+    async with app.router.lifespan_context(app):
+        status, created = await client.request("POST", "/jobs", body)
+        if status != 201:
+            raise RuntimeError(f"POST /jobs answered {status}: {created[:300]!r}")
+        job_id = json.loads(created)["id"]
+        gc.collect()
+        gc.freeze()  # as `tputune serve` does (api.server)
+        results["healthz"] = await measure(client, "GET", "/healthz", b"", 200, args)
+        results["get_job"] = await measure(client, "GET", f"/jobs/{job_id}", b"", 200, args)
+        results["post_job"] = await measure(client, "POST", "/jobs", body, 201, args)
+    return results
+
+
+def _job_body(dataset: Path) -> dict[str, Any]:
+    """api_load.py's POST /jobs body (not imported from there: that would import this checkout's api/)."""
+    hyperparameters = {"epochs": 1, "batch_size": 8, "learning_rate": 1e-4, "max_seq_len": 512}
+    hyperparameters.update(eval_every_steps=50, checkpoint_every_steps=100)
+    return {
+        "name": "bench",
+        "model": "gemma3-270m-pt",
+        "method": {"type": "lora", "lora_rank": 8},
+        "dataset_uri": str(dataset),
+        "validation_split": 0.02,
+        "hyperparameters": hyperparameters,
+        "metadata": {"team": "bench"},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(args.source.resolve()))  # ahead of the installed (editable) project
+    for name in [name for name in os.environ if name.startswith("TPUTUNE_")]:
+        del os.environ[name]
+    print(
+        f"tputune API CPU per request, in-process: {args.requests} requests per round, {args.concurrency} at "
+        f"a time, {args.rounds} rounds; api/ from {args.source}",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory(prefix="tputune-api-cpu-") as tmp:
+        results = asyncio.run(run(args, Path(tmp)))
+    summary = {name: r["median_cpu_ms_per_request"] for name, r in results.items()}
+    print("median CPU ms per request: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()))
+    print(
+        json.dumps(
+            {"benchmark": "api_cpu", "source": str(args.source), "median_cpu_ms": summary, "routes": results}
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
