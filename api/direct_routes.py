@@ -34,7 +34,6 @@ class DirectRoute(BaseRoute):
         if names - {"request"} != set(route.param_convertors) or route.dependencies:
             raise TypeError(f"{route.path}: a direct route takes only the request and path parameters")
         self.route = route
-        self.path = route.path
         self.methods = set(route.methods or ())  # no HEAD added, unlike Starlette's Route: FastAPI's methods
 
         async def call(request: Request) -> Any:

@@ -2,8 +2,8 @@
 
 One process is the default (TPUTUNE_WORKERS=1; 0: one per CPU core, up to 4). More serve more requests
 on more cores, since one process is bound to one core by the GIL, but on 2 cores they do not meet more of
-bench/api_load.py's targets (bench/README.md, "Two API processes"): POST /jobs, whose p99 misses, stays
-CPU-bound with the machine full, and GET /jobs/{id} falls to about half the doubled ceiling.
+bench/api_load.py's targets (bench/README.md, "The busiest routes served directly"): POST /jobs, whose
+p99 misses with one process or two, is CPU-bound, and with two the machine is full.
 
 One worker: this process serves requests and starts the dispatcher process (api.dispatch_process).
 
@@ -112,7 +112,7 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # someone else's
+        pass  # someone else's
     return True
 
 

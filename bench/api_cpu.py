@@ -146,7 +146,7 @@ async def run(args: argparse.Namespace, data_dir: Path) -> dict[str, Any]:
     datasets = settings.data_dir / "datasets"
     datasets.mkdir(parents=True, exist_ok=True)
     (datasets / "train.txt").write_text("Once upon a time.\n")
-    body = json.dumps(_job_body(datasets / "train.txt")).encode()
+    body = json.dumps(job_body(datasets / "train.txt")).encode()
     results = {}
     async with app.router.lifespan_context(app):
         status, created = await client.request("POST", "/jobs", body)
@@ -161,12 +161,13 @@ async def run(args: argparse.Namespace, data_dir: Path) -> dict[str, Any]:
     return results
 
 
-def _job_body(dataset: Path) -> dict[str, Any]:
-    """api_load.py's POST /jobs body (not imported from there: that would import this checkout's api/)."""
+def job_body(dataset: Path, name: str = "bench") -> dict[str, Any]:
+    """The body both benchmarks POST to /jobs (here, not in api_load.py: importing that one would import
+    this checkout's api/, whatever --source says)."""
     hyperparameters = {"epochs": 1, "batch_size": 8, "learning_rate": 1e-4, "max_seq_len": 512}
     hyperparameters.update(eval_every_steps=50, checkpoint_every_steps=100)
     return {
-        "name": "bench",
+        "name": name,
         "model": "gemma3-270m-pt",
         "method": {"type": "lora", "lora_rank": 8},
         "dataset_uri": str(dataset),

@@ -74,6 +74,7 @@ from sqlalchemy.engine import Engine  # noqa: E402
 from api.db import make_engine  # noqa: E402
 from api.jobs import new_job_id, new_job_token  # noqa: E402
 from api.models import Job, JobEvent, JobMetadata, utcnow  # noqa: E402
+from bench.api_cpu import job_body  # noqa: E402
 from tests.support.serve import api_workers, children, dispatchers  # noqa: E402
 
 JOBS: Table = Job.__table__  # type: ignore[attr-defined]
@@ -490,25 +491,6 @@ def measure(
 
 
 # --- jobs --------------------------------------------------------------------------------------------------
-
-
-def job_body(dataset: Path, name: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "model": "gemma3-270m-pt",
-        "method": {"type": "lora", "lora_rank": 8},
-        "dataset_uri": str(dataset),
-        "validation_split": 0.02,
-        "hyperparameters": {
-            "epochs": 1,
-            "batch_size": 8,
-            "learning_rate": 1e-4,
-            "max_seq_len": 512,
-            "eval_every_steps": 50,
-            "checkpoint_every_steps": 100,
-        },
-        "metadata": {"team": "bench"},
-    }
 
 
 def create_jobs(url: str, bodies: list[dict[str, Any]]) -> list[str]:
