@@ -3,7 +3,9 @@
 What is checked: /metrics sums the counts of every worker, whichever one a scrape reaches, and keeps the
 counts of a worker that died (uvicorn replaces it); a key's rate limit holds across the workers; the
 workers and the dispatcher do not outlive a supervisor killed with SIGKILL, and a new server binds the
-port at once; a thread dispatcher is refused with more than one worker. (The dispatcher's side of it,
+port at once; each worker listens on a socket of its own (SO_REUSEPORT, Linux), so connections opened at
+once spread over the workers, and a second server cannot take the same port; a thread dispatcher is
+refused with more than one worker. (The dispatcher's side of it,
 woken by any worker, is in test_dispatch_process.py, which runs each test with one and two workers.)
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +25,7 @@ import httpx
 import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from api.server import REUSE_PORT
 from tests.support.serve import Server, alive, api_workers, dispatchers, wait_for
 
 pytestmark = pytest.mark.slow
@@ -147,6 +151,70 @@ def test_workers_and_dispatcher_die_with_a_killed_supervisor(two_workers: Server
     server.start()
     assert len(workers(server)) == 2 and len(dispatchers(server.proc.pid)) == 1
     assert not left.exists() and metrics_dir(workers(server)[0]) != left  # the dead server's are gone
+
+
+def sockets_on(port: int, state: str) -> dict[int, int]:
+    """TCP sockets whose local port is `port`, in `state` ("0A" listening, "01" established), counted by
+    the process holding them (/proc/net/tcp, then each process's file descriptors)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == state:
+                inodes.add(fields[9])
+    held: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            links = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+        except OSError:
+            continue  # gone, or not ours to read
+        count = sum(link.startswith("socket:[") and link[8:-1] in inodes for link in links)
+        if count:
+            held[int(entry.name)] = count
+    return held
+
+
+@pytest.mark.skipif(not REUSE_PORT, reason="SO_REUSEPORT balances connections on Linux only")
+def test_each_worker_listens_on_its_own_socket_and_connections_spread(two_workers: Server) -> None:
+    server = two_workers
+    assert server.proc is not None
+    pids = workers(server)
+    # One listening socket per worker, none in the supervisor (it holds the port bound, not listening).
+    # (The server answered once one worker was up; the other may still be starting.)
+    wait_for(lambda: sockets_on(server.port, "0A") == {pid: 1 for pid in pids}, "both workers to listen")
+    # 48 connections opened at once: on the one socket uvicorn shares, whichever worker woke first took
+    # every connection waiting (seen: 64 of 64). The kernel hashes them over the workers' sockets.
+    opened = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(48)]
+    try:
+        for sock in opened:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: test\r\n\r\n")
+        for sock in opened:
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        held = sockets_on(server.port, "01")
+        per_worker = [held.get(pid, 0) for pid in pids]
+        assert sum(per_worker) == 48, held
+        # Binomial(48, 1/2): fewer than 8 on one side has a chance of about 1 in 10^6.
+        assert min(per_worker) >= 8, per_worker
+    finally:
+        for sock in opened:
+            sock.close()
+
+
+def test_a_second_server_cannot_take_the_port(two_workers: Server, tmp_path: Path) -> None:
+    env = {**os.environ, **two_workers.env, "TPUTUNE_DATA_DIR": str(tmp_path / "other")}
+    done = subprocess.run(
+        [sys.executable, "-m", "api.cli", "serve", "--workers", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert f"cannot serve on 127.0.0.1:{two_workers.port}" in done.stderr
+    assert httpx.get(f"{two_workers.url}/healthz", timeout=10).status_code == 200
+    assert len(workers(two_workers)) == 2
 
 
 def test_more_than_one_worker_needs_the_dispatcher_process(tmp_path: Path) -> None:
