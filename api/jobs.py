@@ -290,8 +290,8 @@ def _insert_postgres(connection: Connection, news: Sequence[NewJob]) -> None:
         for new in news
         for key, value in new.spec.metadata.items()
     ]
-    parameters = {"jobs": json.dumps(jobs), "metadata": json.dumps(metadata), **_CREATED_EVENT}
-    connection.exec_driver_sql(_PG_INSERT_NEW_JOBS, {**parameters, "data": _CREATED_DATA_JSON})
+    parameters = {"jobs": json.dumps(jobs), "metadata": json.dumps(metadata), "data": _CREATED_DATA_JSON}
+    connection.exec_driver_sql(_PG_INSERT_NEW_JOBS, {**parameters, **_CREATED_EVENT})
     _insert_keys(connection, news)
 
 

@@ -42,6 +42,7 @@ from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors import Multiprocess, multiprocess
 
 SWITCH_INTERVAL_SECONDS = 0.001
+REUSE_PORT = sys.platform == "linux" and hasattr(socket, "SO_REUSEPORT")  # (elsewhere it does not balance)
 SUPERVISOR_ENV = "TPUTUNE_SUPERVISOR_PID"  # set by run() for the workers; not a setting
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 METRICS_DIR_PREFIX = "tputune-metrics-"  # then the server's pid: one left by a killed server is removed
@@ -132,14 +133,17 @@ def _run_workers(config: uvicorn.Config) -> None:
         reserved.close()
 
 
-REUSE_PORT = sys.platform == "linux" and hasattr(socket, "SO_REUSEPORT")  # (elsewhere it does not balance)
+def _tcp_socket(host: str) -> socket.socket:
+    """A TCP socket for `host`, with SO_REUSEADDR as uvicorn's."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return sock
 
 
 def _listener(host: str, port: int) -> socket.socket:
-    """A TCP socket for (host, port) with SO_REUSEPORT (and SO_REUSEADDR, as uvicorn's), bound."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    """A TCP socket bound to (host, port) with SO_REUSEPORT."""
+    sock = _tcp_socket(host)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
     except OSError:
@@ -152,8 +156,7 @@ def _reserve_port(host: str, port: int) -> socket.socket:
     """The port, bound for the workers to join. A plain bind first: it fails if any socket holds the port,
     another server's SO_REUSEPORT ones included (which the workers could otherwise join)."""
     try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with _tcp_socket(host) as probe:
             probe.bind((host, port))
             port = probe.getsockname()[1]
         return _listener(host, port)

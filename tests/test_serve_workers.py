@@ -5,8 +5,8 @@ counts of a worker that died (uvicorn replaces it); a key's rate limit holds acr
 workers and the dispatcher do not outlive a supervisor killed with SIGKILL, and a new server binds the
 port at once; each worker listens on a socket of its own (SO_REUSEPORT, Linux), so connections opened at
 once spread over the workers, and a second server cannot take the same port; a thread dispatcher is
-refused with more than one worker. (The dispatcher's side of it,
-woken by any worker, is in test_dispatch_process.py, which runs each test with one and two workers.)
+refused with more than one worker. (The dispatcher's side of it, woken by any worker, is in
+test_dispatch_process.py, which runs each test with one and two workers.)
 """
 
 from __future__ import annotations
@@ -153,6 +153,12 @@ def test_workers_and_dispatcher_die_with_a_killed_supervisor(two_workers: Server
     assert not left.exists() and metrics_dir(workers(server)[0]) != left  # the dead server's are gone
 
 
+def serve_two_workers(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`tputune serve --workers 2` with `env`, expected to give up at start."""
+    command = [sys.executable, "-m", "api.cli", "serve", "--workers", "2"]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+
+
 def sockets_on(port: int, state: str) -> dict[int, int]:
     """TCP sockets whose local port is `port`, in `state` ("0A" listening, "01" established), counted by
     the process holding them (/proc/net/tcp, then each process's file descriptors)."""
@@ -204,13 +210,7 @@ def test_each_worker_listens_on_its_own_socket_and_connections_spread(two_worker
 
 def test_a_second_server_cannot_take_the_port(two_workers: Server, tmp_path: Path) -> None:
     env = {**os.environ, **two_workers.env, "TPUTUNE_DATA_DIR": str(tmp_path / "other")}
-    done = subprocess.run(
-        [sys.executable, "-m", "api.cli", "serve", "--workers", "2"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = serve_two_workers(env)
     assert done.returncode != 0
     assert f"cannot serve on 127.0.0.1:{two_workers.port}" in done.stderr
     assert httpx.get(f"{two_workers.url}/healthz", timeout=10).status_code == 200
@@ -219,12 +219,6 @@ def test_a_second_server_cannot_take_the_port(two_workers: Server, tmp_path: Pat
 
 def test_more_than_one_worker_needs_the_dispatcher_process(tmp_path: Path) -> None:
     env = {**os.environ, "TPUTUNE_DATA_DIR": str(tmp_path), "TPUTUNE_DISPATCHER_PROCESS": "false"}
-    done = subprocess.run(
-        [sys.executable, "-m", "api.cli", "serve", "--workers", "2"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = serve_two_workers(env)
     assert done.returncode != 0
     assert "TPUTUNE_WORKERS > 1 needs the dispatcher in a process of its own" in done.stderr
