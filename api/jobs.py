@@ -195,41 +195,44 @@ def write_jobs(connection: Connection, batch: Sequence[NewJob]) -> list[Outcome 
 
 
 def _insert_sqlite(connection: Connection, news: Sequence[NewJob]) -> None:
-    """The new jobs, their first events and metadata: an executemany per table, in sqlite3's own loop
-    (through SQLAlchemy's insert, RETURNING the new seqs, the writer spent 0.1 ms per job). The events
-    and metadata find their job's seq by its id. Values as SQLAlchemy stores them: times as text in UTC,
-    JSON as text."""
+    """The new jobs, their first events and metadata: one statement per table, whose rows arrive as one
+    JSON parameter that SQLite takes apart (json_each). sqlite3 lets go of the GIL for each step of a
+    statement and needs it back after: an executemany of n rows was n hand-offs, each a wait of up to the
+    switch interval while the event loop runs (POST /jobs at 64 clients: the jobs' executemany took 13 ms
+    for 32 rows, 3 ms of it CPU; as one statement, ~1.1 ms for 9). The events and metadata find their
+    job's seq by its id. Values as SQLAlchemy stores them: times as text in UTC, JSON as text."""
     rows: list[tuple[Any, ...]] = []
-    events: list[tuple[Any, ...]] = []
-    metadata: list[tuple[Any, ...]] = []
+    metadata: list[tuple[str, str, str]] = []
     for new in news:
         row = new.row
         created_at = row["created_at"].strftime(_SQLITE_TIME)
-        spec = json.dumps(row["spec"])
-        rows.append((*[row[name] for name in _SQLITE_JOB_COLUMNS], spec, created_at, created_at))
-        events.append((created_at, *_SQLITE_CREATED_EVENT, new.id))
-        metadata.extend((key, value, new.id) for key, value in new.spec.metadata.items())
-    connection.exec_driver_sql(_SQLITE_INSERT_JOBS, rows)
-    connection.exec_driver_sql(_SQLITE_INSERT_EVENTS, events)
+        rows.append((*[row[name] for name in _SQLITE_JOB_COLUMNS], json.dumps(row["spec"]), created_at))
+        metadata.extend((new.id, key, value) for key, value in new.spec.metadata.items())
+    connection.exec_driver_sql(_SQLITE_INSERT_JOBS, (json.dumps(rows),))
+    ids = json.dumps([new.id for new in news])
+    connection.exec_driver_sql(_SQLITE_INSERT_EVENTS, (*_SQLITE_CREATED_EVENT, ids))
     if metadata:
-        connection.exec_driver_sql(_SQLITE_INSERT_METADATA, metadata)
+        connection.exec_driver_sql(_SQLITE_INSERT_METADATA, (json.dumps(metadata),))
     _insert_keys(connection, news)
 
 
 _SQLITE_TIME = "%Y-%m-%d %H:%M:%S.%f"  # SQLAlchemy's storage format for DateTime on SQLite
 _SQLITE_JOB_COLUMNS = ["id", "tenant", "name", "status", "model", "method", "executor", "status_message"]
 _SQLITE_JOB_COLUMNS += ["output_uri", "step", "trained_tokens", "restarts"]
+_SQLITE_ROW = [f"json_extract(value, '$[{i}]')" for i in range(len(_SQLITE_JOB_COLUMNS) + 2)]
 _SQLITE_INSERT_JOBS = (
     f"INSERT INTO jobs ({', '.join(_SQLITE_JOB_COLUMNS)}, spec, created_at, updated_at) "
-    f"VALUES ({', '.join('?' * (len(_SQLITE_JOB_COLUMNS) + 3))})"
+    f"SELECT {', '.join(_SQLITE_ROW)}, {_SQLITE_ROW[-1]} FROM json_each(?) ORDER BY key"
 )
 _SQLITE_INSERT_EVENTS = (
     "INSERT INTO job_events (job_seq, created_at, type, level, message, data) "
-    "SELECT seq, ?, ?, ?, ?, ? FROM jobs WHERE id = ?"
+    "SELECT seq, created_at, ?, ?, ?, ? FROM jobs WHERE id IN (SELECT value FROM json_each(?)) ORDER BY seq"
 )
 _SQLITE_CREATED_EVENT = (*_CREATED_EVENT.values(), _CREATED_DATA_JSON)
 _SQLITE_INSERT_METADATA = (
-    "INSERT INTO job_metadata (job_seq, key, value) SELECT seq, ?, ? FROM jobs WHERE id = ?"
+    "INSERT INTO job_metadata (job_seq, key, value) "
+    "SELECT jobs.seq, json_extract(m.value, '$[1]'), json_extract(m.value, '$[2]') "
+    "FROM json_each(?) AS m JOIN jobs ON jobs.id = json_extract(m.value, '$[0]')"
 )
 
 

@@ -50,7 +50,8 @@ def test_concurrent_creates_share_transactions_and_get_their_own_answers(
     def new(name: str, tenant: str = "alpha", key: str | None = None, **extra: Any) -> NewJob:
         return service.prepare_job(_spec(dataset, name, **extra), settings, tenant, key)
 
-    plain = [new(f"job-{i}", metadata={"run": str(i), "team": "nlp"}) for i in range(40)]
+    team = 'nlp "ü" \\ 😀'  # stored as given, whatever the database takes the batch's rows apart with
+    plain = [new(f"job-{i}", metadata={"run": str(i), "team": team}) for i in range(40)]
     twice_a, twice_b = new("same", key="k1"), new("same", key="k1")  # the same key and body twice
     clash = new("different", key="k1")  # the same key, another body: 409
     repeat = new("earlier", key="old")  # the same key and body as a job stored before: that job
@@ -92,10 +93,42 @@ def test_concurrent_creates_share_transactions_and_get_their_own_answers(
     mismatched = """SELECT count(*) FROM job_metadata m JOIN jobs j ON j.seq = m.job_seq
                     WHERE m.key = 'run' AND j.name != 'job-' || m.value"""
     assert _count(engine, mismatched) == 0
+    assert _count(engine, "SELECT count(*) FROM job_metadata WHERE key = 'team' AND value = :v", v=team) == 40
     events = "SELECT count(*) FROM job_events WHERE type = 'status' AND message = 'Job created and queued.'"
     assert _count(engine, events) == created + 1
     assert _count(engine, "SELECT count(*) FROM idempotency_keys") == 3  # old, alpha's k1, beta's k1
     engine.dispose()
+
+
+def test_a_request_that_goes_away_does_not_cancel_its_write(
+    make_settings: Callable[..., Settings], dataset: Path
+) -> None:
+    """The client left (its request's task is cancelled) while the job waited for the writer: the job is
+    stored all the same, and the writer goes on answering the others."""
+    settings = make_settings(dispatcher_enabled=False)
+    engine = make_engine(settings.resolved_database_url)
+    writer = JobWriter(engine)
+    news = [service.prepare_job(_spec(dataset, f"j{i}"), settings, "alpha") for i in range(6)]
+
+    async def run() -> list[Outcome | BaseException]:
+        gone = [asyncio.create_task(writer.create(n)) for n in news[:3]]
+        await asyncio.sleep(0)  # they are waiting for the writer
+        for task in gone:
+            task.cancel()
+        stayed = asyncio.gather(*(writer.create(n) for n in news[3:]), return_exceptions=True)
+        results = await asyncio.wait_for(stayed, timeout=30)
+        assert all(task.cancelled() for task in gone)
+        return results
+
+    try:
+        results = asyncio.run(run())
+        writer.close()
+        assert all(isinstance(r, Outcome) and r.created for r in results)
+        for n in news:
+            assert read_job_row(engine, "alpha", n.id) is not None
+    finally:
+        writer.close()
+        engine.dispose()
 
 
 def test_a_database_that_is_away_fails_each_request_and_the_writer_goes_on(tmp_path: Path) -> None:
