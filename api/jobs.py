@@ -464,6 +464,69 @@ def transition(
     return True
 
 
+def fail_queued(session: Session, failures: Sequence[tuple[Job, str, str]]) -> list[Job]:
+    """Fail queued jobs, each with its (error code, message), as `transition` would one at a time, in two
+    statements: an UPDATE run for each job (one statement text, compiled once), then the events of the
+    ones that were still queued. No commit: the caller's. Returns the jobs that failed; the others moved
+    on since they were read."""
+    if not failures:
+        return []
+    for job, _, _ in failures:
+        check_transition(job.status, JobStatus.failed)
+    now = utcnow()
+    rows = [{"b_seq": j.seq, "b_now": now, "b_code": code, "b_message": text} for j, code, text in failures]
+    connection = session.connection()
+    moved = connection.execute(_FAIL_QUEUED, rows)
+    failed = list(failures)
+    if moved.rowcount != len(failures) or not connection.dialect.supports_sane_multi_rowcount:
+        # Some moved on (or the driver cannot tell): the rows this statement changed carry its time.
+        seqs = [job.seq for job, _, _ in failures]
+        jobs = Job.__table__  # type: ignore[attr-defined]
+        query = sa_select(jobs.c.seq).where(
+            jobs.c.seq.in_(seqs), jobs.c.status == JobStatus.failed.value, jobs.c.updated_at == now
+        )
+        ours = set(connection.execute(query).scalars())
+        failed = [failure for failure in failures if failure[0].seq in ours]
+    if not failed:
+        return []
+    data = {"status": JobStatus.failed.value, "from": JobStatus.queued.value}
+    events = [
+        {
+            "job_seq": job.seq,
+            "created_at": now,
+            "type": "status",
+            "level": "error",
+            "message": f"{JobStatus.queued.value} → {JobStatus.failed.value}: {message}",
+            "data": data,
+        }
+        for job, _, message in failed
+    ]
+    connection.execute(insert(JobEvent.__table__), events)  # type: ignore[attr-defined]
+    values: dict[str, Any] = {"status": JobStatus.failed.value, "updated_at": now, "finished_at": now}
+    values["eta_seconds"] = None
+    for job, code, message in failed:
+        for name, value in {**values, "status_message": message, "error_message": message}.items():
+            set_committed_value(job, name, value)
+        set_committed_value(job, "error_code", code)
+    return [job for job, _, _ in failed]
+
+
+_JOBS = Job.__table__  # type: ignore[attr-defined]
+_FAIL_QUEUED = (
+    update(_JOBS)
+    .where(_JOBS.c.seq == bindparam("b_seq"), _JOBS.c.status == JobStatus.queued.value)
+    .values(
+        status=JobStatus.failed.value,
+        updated_at=bindparam("b_now"),
+        finished_at=bindparam("b_now"),
+        eta_seconds=None,
+        status_message=bindparam("b_message"),
+        error_message=bindparam("b_message"),
+        error_code=bindparam("b_code"),
+    )
+)
+
+
 def request_cancel(session: Session, tenant: str, job_id: str) -> Job:
     for _ in range(5):
         job = get_job(session, tenant, job_id)

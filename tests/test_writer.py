@@ -183,6 +183,70 @@ def test_dispatcher_passes_page_through_more_jobs_than_one_pass_takes(
         engine.dispose()
 
 
+def test_jobs_with_unusable_data_fail_in_groups_each_with_its_own_reason(
+    make_settings: Callable[..., Settings], data_root: Path
+) -> None:
+    """A pass fails the jobs whose data is unusable FAIL_GROUP at a time, a commit per group (not per
+    job), each with its own code, message and event; good jobs in between are not held up."""
+    settings = make_settings(dispatcher_enabled=False)
+    engine = make_engine(settings.resolved_database_url)
+    empty = data_root / "empty.txt"
+    empty.write_text("")
+    specs = [_spec(data_root / f"missing-{i}.txt", f"m{i}") for i in range(dispatcher_module.FAIL_GROUP + 8)]
+    specs.insert(5, _spec(empty, "empty"))
+    with Session(engine) as session:
+        ids = [service.create_job(session, spec, settings, "alpha")[0].id for spec in specs]
+    commits: list[int] = []
+    sa.event.listen(engine, "commit", lambda _connection: commits.append(1))
+    assert Dispatcher(engine, make_executor(settings), settings).tick() is False
+    assert len(commits) == 2  # 41 jobs: a group of 32, then the rest at the end of the page
+    with Session(engine) as session:
+        for job_id, spec in zip(ids, specs, strict=True):
+            job = service.get_job(session, "alpha", job_id)
+            code = "dataset_empty" if spec.name == "empty" else "dataset_not_found"
+            assert (job.status, job.error_code) == ("failed", code)
+            assert job.error_message == job.status_message and spec.dataset_uri in job.status_message
+            assert job.finished_at is not None
+            events = [(e.type, e.level, e.message, e.data) for e in service.list_events(session, job)[0]]
+            assert events[-1] == (
+                "status",
+                "error",
+                f"queued → failed: {job.status_message}",
+                {"status": "failed", "from": "queued"},
+            )
+            assert len(events) == 2  # created, failed
+    engine.dispose()
+
+
+def test_failing_queued_jobs_leaves_out_one_that_moved_on(
+    make_settings: Callable[..., Settings], dataset: Path
+) -> None:
+    settings = make_settings(dispatcher_enabled=False)
+    engine = make_engine(settings.resolved_database_url)
+    with Session(engine) as session:
+        ids = [
+            service.create_job(session, _spec(dataset, f"j{i}"), settings, "alpha")[0].id for i in range(3)
+        ]
+    with Session(engine, expire_on_commit=False) as session:
+        jobs = [service.get_job(session, "alpha", job_id) for job_id in ids]
+        with Session(engine) as other:  # cancelled after the dispatcher read it
+            service.request_cancel(other, "alpha", jobs[1].id)
+        failed = service.fail_queued(session, [(job, f"code_{i}", f"why {i}") for i, job in enumerate(jobs)])
+        session.commit()
+    assert [job.id for job in failed] == [jobs[0].id, jobs[2].id]
+    assert (jobs[0].status, jobs[0].error_code, jobs[2].status_message) == ("failed", "code_0", "why 2")
+    with Session(engine) as session:
+        stored = [service.get_job(session, "alpha", job_id) for job_id in ids]
+        assert [(j.status, j.error_code, j.error_message) for j in stored] == [
+            ("failed", "code_0", "why 0"),
+            ("cancelled", None, None),
+            ("failed", "code_2", "why 2"),
+        ]
+        events = [e.message for e in service.list_events(session, stored[1])[0]]
+        assert not any("failed" in message for message in events)
+    engine.dispose()
+
+
 @pytest.mark.parametrize("busy", [True, False])
 def test_dispatcher_yields_to_requests_in_proportion_to_its_cpu(
     make_settings: Callable[..., Settings], dataset: Path, busy: bool
