@@ -269,10 +269,16 @@ class ApiServer:
     """`tputune serve` as a subprocess, with default settings but for the ones named in the docstring."""
 
     def __init__(
-        self, workdir: Path, database_url: str | None, source: Path = ROOT, workers: int | None = None
+        self,
+        workdir: Path,
+        database_url: str | None,
+        source: Path = ROOT,
+        workers: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.source = source
         self.workers = workers
+        self.env = env or {}  # more TPUTUNE_* settings (bench/api_ab.py)
         self.workdir = workdir
         self.data_dir = workdir / "state"
         self.port = free_port()
@@ -301,6 +307,7 @@ class ApiServer:
             env["TPUTUNE_DATABASE_URL"] = self.database_url
         if self.workers is not None:
             env["TPUTUNE_WORKERS"] = str(self.workers)
+        env.update(self.env)
         with open(self.log_path, "ab") as log:
             # cwd: the temp dir, so no `.env` file of the checkout changes the settings.
             self.proc = subprocess.Popen(
