@@ -455,13 +455,22 @@ def transition(
         session.rollback()
         session.refresh(job)
         return False
-    text = f"{current} → {target.value}" + (f": {message}" if message else "")
-    level = "error" if target == JobStatus.failed else "info"
-    add_event(session, job, "status", text, level=level, data={"status": target.value, "from": current})
+    event = _status_event(current, target, message)
+    add_event(session, job, "status", event["message"], level=event["level"], data=event["data"])
     session.commit()
     for name, value in values.items():
         set_committed_value(job, name, value)  # what the row now holds, without marking the job changed
     return True
+
+
+def _status_event(current: str, target: JobStatus, message: str | None) -> dict[str, Any]:
+    """The event a move from `current` to `target` records (its job_seq and time apart)."""
+    return {
+        "type": "status",
+        "level": "error" if target == JobStatus.failed else "info",
+        "message": f"{current} → {target.value}" + (f": {message}" if message else ""),
+        "data": {"status": target.value, "from": current},
+    }
 
 
 def fail_queued(session: Session, failures: Sequence[tuple[Job, str, str]]) -> list[Job]:
@@ -481,40 +490,38 @@ def fail_queued(session: Session, failures: Sequence[tuple[Job, str, str]]) -> l
     if moved.rowcount != len(failures) or not connection.dialect.supports_sane_multi_rowcount:
         # Some moved on (or the driver cannot tell): the rows this statement changed carry its time.
         seqs = [job.seq for job, _, _ in failures]
-        jobs = Job.__table__  # type: ignore[attr-defined]
-        query = sa_select(jobs.c.seq).where(
-            jobs.c.seq.in_(seqs), jobs.c.status == JobStatus.failed.value, jobs.c.updated_at == now
+        query = sa_select(_table.c.seq).where(
+            _table.c.seq.in_(seqs), _table.c.status == JobStatus.failed.value, _table.c.updated_at == now
         )
         ours = set(connection.execute(query).scalars())
         failed = [failure for failure in failures if failure[0].seq in ours]
     if not failed:
         return []
-    data = {"status": JobStatus.failed.value, "from": JobStatus.queued.value}
     events = [
         {
             "job_seq": job.seq,
             "created_at": now,
-            "type": "status",
-            "level": "error",
-            "message": f"{JobStatus.queued.value} → {JobStatus.failed.value}: {message}",
-            "data": data,
+            **_status_event(JobStatus.queued.value, JobStatus.failed, message),
         }
         for job, _, message in failed
     ]
     connection.execute(insert(JobEvent.__table__), events)  # type: ignore[attr-defined]
-    values: dict[str, Any] = {"status": JobStatus.failed.value, "updated_at": now, "finished_at": now}
-    values["eta_seconds"] = None
-    for job, code, message in failed:
-        for name, value in {**values, "status_message": message, "error_message": message}.items():
+    for job, code, message in failed:  # what the rows now hold (as _FAIL_QUEUED set them)
+        values = {
+            "status": JobStatus.failed.value,
+            "updated_at": now,
+            "finished_at": now,
+            "eta_seconds": None,
+        }
+        values.update(status_message=message, error_message=message, error_code=code)
+        for name, value in values.items():
             set_committed_value(job, name, value)
-        set_committed_value(job, "error_code", code)
     return [job for job, _, _ in failed]
 
 
-_JOBS = Job.__table__  # type: ignore[attr-defined]
 _FAIL_QUEUED = (
-    update(_JOBS)
-    .where(_JOBS.c.seq == bindparam("b_seq"), _JOBS.c.status == JobStatus.queued.value)
+    update(_table)
+    .where(_table.c.seq == bindparam("b_seq"), _table.c.status == JobStatus.queued.value)
     .values(
         status=JobStatus.failed.value,
         updated_at=bindparam("b_now"),
