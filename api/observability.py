@@ -188,9 +188,19 @@ class RequestContext:
 class JsonFormatter(logging.Formatter):
     """One JSON object per line, with the request and job ids when there are any."""
 
+    _last: tuple[int, str] = (-1, "")  # a second and its text, swapped as one (threads log too)
+
+    def _time(self, created: float) -> str:
+        """`created` as formatTime(record, "%Y-%m-%dT%H:%M:%S") writes it, made once a second (a busy
+        server logs thousands of lines in one)."""
+        last = self._last
+        if last[0] != int(created):
+            last = self._last = (int(created), time.strftime("%Y-%m-%dT%H:%M:%S", self.converter(created)))
+        return last[1]
+
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "time": self._time(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
@@ -214,6 +224,9 @@ def configure_logging(level: str, json_logs: bool) -> None:
     logging.logProcesses = False
     logging.logMultiprocessing = False
     logging.logAsyncioTasks = False  # type: ignore[attr-defined]  # (3.12: not in typeshed)
+    # Nor where the call was made (file, line, function): no format shows it either, and finding it walked
+    # the stack for each record, a third of an access log line (the same HOWTO).
+    logging._srcfile = None
     handler = logging.StreamHandler()
     handler.setFormatter(
         JsonFormatter() if json_logs else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")

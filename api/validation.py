@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from api import tpu
@@ -13,8 +14,44 @@ from worker.config import TINY_MODEL, JobSpec
 
 
 def _under_roots(path: str, roots: list[Path]) -> bool:
-    real = os.path.realpath(path)
+    real = real_path(path)
     return any(real == str(root) or real.startswith(os.path.join(root, "")) for root in roots)
+
+
+def real_path(path: str) -> str:
+    """os.path.realpath(path), with the kernel's help: its directory opened with O_PATH and the name of that
+    open file read back (/proc/self/fd), then its last component looked at there. realpath is a loop in
+    Python with a system call per component: on a busy server the check of a job's dataset path took a
+    quarter of POST /jobs's CPU time on the event loop; this is four system calls. The last component as
+    realpath takes it: appended when it does not exist (a dataset not uploaded yet) or is not a symlink; a
+    symlink, a path ending in . or .., and anything the kernel does not answer plainly go to realpath."""
+    head, name = os.path.split(path)
+    if _O_PATH_DIRECTORY is None or name in ("", ".", ".."):
+        return os.path.realpath(path)
+    try:
+        fd = os.open(head or ".", _O_PATH_DIRECTORY)
+    except OSError:  # no such directory (realpath resolves what exists of it), or not one
+        return os.path.realpath(path)
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}")
+        try:
+            link = stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            link = False
+    except OSError:
+        return os.path.realpath(path)
+    finally:
+        os.close(fd)
+    if link or not real.startswith("/") or real.endswith(" (deleted)"):  # unreachable from here, or removed
+        return os.path.realpath(path)
+    return os.path.join(real, name)
+
+
+_O_PATH_DIRECTORY = (
+    os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+    if hasattr(os, "O_PATH") and os.stat in os.supports_dir_fd and os.path.isdir("/proc/self/fd")
+    else None
+)
 
 
 def check_local_paths(spec: JobSpec, settings: Settings) -> None:

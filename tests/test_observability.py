@@ -95,3 +95,13 @@ def test_access_log_can_be_turned_off(make_settings: Callable[..., Settings]) ->
     with TestClient(app) as client:
         lines = _capture_json_logs(lambda: client.get("/healthz"))
     assert [line for line in lines if line["logger"] == "tputune.access"] == []
+
+
+def test_json_log_times_are_formatTimes_also_when_the_second_changes() -> None:
+    """JsonFormatter makes a second's text once: records of the same second, the next one and an earlier
+    one (another thread's) each get their own time."""
+    formatter, plain = JsonFormatter(), logging.Formatter()
+    for created in (1_700_000_000.1, 1_700_000_000.9, 1_700_000_001.0, 1_700_000_000.5, 1_800_000_123.4):
+        record = logging.LogRecord("x", logging.INFO, __file__, 1, "m", None, None)
+        record.created = created
+        assert json.loads(formatter.format(record))["time"] == plain.formatTime(record, "%Y-%m-%dT%H:%M:%S")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,7 @@ def test_concurrent_creates_share_transactions_and_get_their_own_answers(
         assert stored is not None
         # The response made from the new row is what a later read shows.
         assert JobPublic.of(outcome.job, n.spec).model_dump() == JobPublic.of(stored).model_dump()
+        assert json.loads(n.created_json()) == json.loads(JobPublic.of(stored).model_dump_json())
         assert _count(engine, "SELECT count(*) FROM jobs WHERE id = :id", id=n.id) == 1
     first, second = outcomes[id(twice_a)], outcomes[id(twice_b)]
     assert isinstance(first, Outcome) and isinstance(second, Outcome)
@@ -98,6 +101,29 @@ def test_concurrent_creates_share_transactions_and_get_their_own_answers(
     assert _count(engine, events) == created + 1
     assert _count(engine, "SELECT count(*) FROM idempotency_keys") == 3  # old, alpha's k1, beta's k1
     engine.dispose()
+
+
+@pytest.mark.parametrize("microsecond", [0, 1, 60290, 999999])
+def test_a_new_jobs_json_is_what_the_model_makes(
+    make_settings: Callable[..., Settings], dataset: Path, microsecond: int
+) -> None:
+    """POST /jobs answers with NewJob.created_json, made without JobPublic: the same JSON, to the character
+    for its times (pydantic leaves out zero microseconds), for any spec."""
+    settings = make_settings(dispatcher_enabled=False)
+    spec = _spec(
+        dataset,
+        'say "hi" \\ ü 😀',
+        metadata={"k": "</script>\n\t\u0000"},
+        method={"type": "full"},
+        hyperparameters={"learning_rate": 1e-5, "max_steps": 7, "weight_decay": 0.25},
+        output_uri=str(dataset.parent / "out"),
+    )
+    new = service.prepare_job(spec, settings, "alpha")
+    new.row["created_at"] = datetime(2026, 12, 4, 8, 1, 2, microsecond, tzinfo=UTC)
+    row = service.JobRow._make([new.row.get(name) for name in service.JOB_COLUMNS])
+    expected = JobPublic.of(row, new.spec).model_dump_json()
+    assert json.loads(new.created_json()) == json.loads(expected)
+    assert f'"created_at":"{json.loads(expected)["created_at"]}"' in new.created_json()
 
 
 def test_a_request_that_goes_away_does_not_cancel_its_write(

@@ -122,8 +122,8 @@ async def create_job(request: Request) -> Response:
     # job writer (api.writer), which stores the jobs of concurrent requests in one transaction.
     new = service.prepare_job(spec, request.app.state.settings, tenant, idempotency_key)
     outcome = await request.app.state.job_writer.create(new)
-    if outcome.created:  # its spec as validated here (not cached: a new job may never be read again)
-        return _json(JobPublic.of(outcome.job, new.spec), 201)
+    if outcome.created:
+        return Response(new.created_json(), status_code=201, media_type="application/json")
     return _json(JobPublic.of(outcome.job))
 
 
