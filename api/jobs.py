@@ -14,7 +14,7 @@ import hmac
 import json
 import secrets
 from collections import namedtuple
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,21 +101,23 @@ class NewJob:
         """The job as `JobPublic.of` shows it, as JSON, once `write_jobs` has created it: the values are
         those of `row`, the rest as every new job has them. Made here, not by the model: JobPublic.of and
         model_dump_json were a fifth of POST /jobs's CPU time on the event loop. (Tests compare the two.)"""
-        row = self.row
+        row, text = self.row, _json_string
         return (
-            f'{{"id":{_json(row["id"])},"object":"fine_tuning.job","name":{_json(row["name"])},'
-            f'"status":{_json(row["status"])},"status_message":{_json(row["status_message"])},'
-            f'"model":{_json(row["model"])},"method":{_json(row["method"])},'
-            f'"executor":{_json(row["executor"])},"created_at":"{_utc_iso(row["created_at"])}",'
+            f'{{"id":{text(row["id"])},"object":"fine_tuning.job","name":{text(row["name"])},'
+            f'"status":{text(row["status"])},"status_message":{text(row["status_message"])},'
+            f'"model":{text(row["model"])},"method":{text(row["method"])},'
+            f'"executor":{text(row["executor"])},"created_at":"{_utc_iso(row["created_at"])}",'
             f'"started_at":null,"finished_at":null,"progress":{{"step":{row["step"]},"total_steps":null,'
             '"epoch":null,"fraction":null,"eta_seconds":null},"metrics":{"loss":null,"eval_loss":null,'
             f'"learning_rate":null,"tokens_per_second":null}},"trained_tokens":{row["trained_tokens"]},'
-            f'"restarts":{row["restarts"]},"error":null,"output_uri":{_json(row["output_uri"])},'
+            f'"restarts":{row["restarts"]},"error":null,"output_uri":{text(row["output_uri"])},'
             f'"checkpoint_uri":null,"metadata":{_json(self.spec.metadata)},"spec":{self.spec_json}}}'
         )
 
 
-_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # as pydantic writes JSON
+# As pydantic writes JSON: compact, and other than ASCII as UTF-8.
+_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_json_string: Callable[[str], str] = json.encoder.encode_basestring
 
 
 def _utc_iso(value: Any) -> str:
@@ -140,7 +142,7 @@ def prepare_job(spec: JobSpec, settings: Settings, tenant: str, idempotency_key:
     the checks of local paths."""
     check_spec(spec, settings)
     dumped = spec.model_dump(mode="json")
-    spec_json = _json(dumped)
+    spec_json = spec.model_dump_json()  # (half the time json.dumps(dumped) takes)
     request_hash = None
     if idempotency_key is not None:
         request_hash = hashlib.sha256(json.dumps(dumped, sort_keys=True).encode()).hexdigest()

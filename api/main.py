@@ -15,7 +15,7 @@ from api import errors
 from api.auth import BUCKETS_FILE, Authenticator, LocalBuckets, SharedBuckets
 from api.db import make_engine
 from api.deps import CloseSessions, Wakes
-from api.direct_routes import serve_directly
+from api.direct_routes import DirectLane, serve_directly
 from api.dispatch_process import STATS_FILE, WAKE_FILE, DispatcherProcess, SharedStats, Waker
 from api.dispatcher import Dispatcher, make_dispatcher
 from api.executors import Closeable, make_executor
@@ -169,6 +169,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
     app.include_router(keys.router)
     app.include_router(dashboard.router)
     serve_directly(app, jobs.create_job, jobs.get_job, health.healthz)
+    app.add_middleware(DirectLane, fastapi_app=app)
     app.add_middleware(CloseSessions)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestContext, metrics=metrics, log_requests=settings.access_log, load=load)

@@ -82,6 +82,31 @@ def test_direct_routes_answer_as_fastapi_does(clients: tuple[TestClient, TestCli
     assert statuses == [200, 405, 200, 404]  # (not all alike: the comparison above compared something)
 
 
+def test_the_direct_lane_serves_them_past_the_router(
+    clients: tuple[TestClient, TestClient], dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DirectLane answers the direct routes before the router; the router still gets every other request
+    (the list, on the path POST /jobs shares; HEAD, a method the direct route does not take)."""
+    direct, _ = clients
+    app: Any = direct.app
+    routed: list[str] = []
+    router_stack = app.router.middleware_stack
+
+    async def counting(scope: Any, receive: Any, send: Any) -> None:
+        routed.append(f"{scope['method']} {scope['path']}")
+        await router_stack(scope, receive, send)
+
+    monkeypatch.setattr(app.router, "middleware_stack", counting)
+    job_id = direct.post("/jobs", json=job_body(dataset)).json()["id"]
+    assert direct.get(f"/jobs/{job_id}").status_code == 200
+    assert direct.get("/healthz").status_code == 200
+    assert direct.post("/jobs", json=job_body(dataset, model="gemma3-nope")).status_code == 422  # handled
+    assert routed == []
+    assert direct.get("/jobs?limit=1").status_code == 200
+    assert direct.head("/healthz").status_code == 405
+    assert routed == ["GET /jobs", "HEAD /healthz"]
+
+
 def test_direct_routes_are_labelled_by_template(
     clients: tuple[TestClient, TestClient], dataset: Path
 ) -> None:
