@@ -94,12 +94,14 @@ class SqliteReader:
 class PostgresReader:
     """Reads on up to `size` psycopg async connections of its own, opened on first use.
 
-    Reads asked for while every connection is busy are answered together by the next statement
-    (`WHERE id = ANY(...)`): at 64 clients on 2 cores one statement answers several requests, where a
-    statement per request cost more CPU than the rest of the route. An idle server still runs each read
-    at once, on its own. Two connections, not four: fewer statements in flight make bigger batches, and
-    the event loop is the limit (GET /jobs/{id} at 64 clients, 2 runs each: 4: 5,234 / 6,832 req/s,
-    2: 8,015 / 7,886, 1: 9,069 / 8,361); the second keeps reads going past a slow statement.
+    Reads asked for while a statement runs are answered together by the next one (`WHERE id = ANY(...)`):
+    at 64 clients on 2 cores one statement answers several requests, where a statement per request cost
+    more CPU than the rest of the route. An idle server still runs each read at once, on its own. One
+    statement in flight at a time, as a rule: fewer statements make bigger batches, and the event loop is
+    the limit (GET /jobs/{id} at 64 clients, 2 runs each, with 4 / 2 / 1 statements in flight: 5,234 /
+    6,832, 8,015 / 7,886 and 9,069 / 8,361 req/s). A second one (up to `size`) starts for reads that have
+    waited `slow_seconds` behind a statement that is taking long, so one slow statement does not hold up
+    every read.
 
     A pooled connection the server dropped (a restart) fails its statement: it is tried once more on a
     new connection, so the requests do not see it. While the database is away a read fails within the
@@ -115,15 +117,19 @@ class PostgresReader:
         *,
         connect_timeout: float = 3.0,
         statement_timeout: float = 5.0,
+        slow_seconds: float = 0.02,
     ) -> None:
         self.conninfo = conninfo
         self.size = size
+        self.slow_seconds = slow_seconds
         self.connect_timeout = connect_timeout
         self.statement_timeout = statement_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle: deque[tuple[Any, float]] = deque()  # (connection, idle since), most recent last
         self._waiting: list[tuple[str, str, asyncio.Future[Any]]] = []  # (tenant, job id, answer)
         self._running = 0  # statements in flight
+        self._waiting_since = 0.0  # when the first of `_waiting` asked
+        self._slow_check: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -138,15 +144,31 @@ class PostgresReader:
             self._discard_all()
             self._loop = loop
             self._waiting, self._running, self._tasks = [], 0, set()
+            self._slow_check = None
         return loop
 
     async def read_job(self, tenant: str, job_id: str) -> Any | None:
         loop = self._bind()
         answer: asyncio.Future[Any] = loop.create_future()
+        if not self._waiting:
+            self._waiting_since = loop.time()
         self._waiting.append((tenant, job_id, answer))
-        if self._running < self.size:
+        if self._running == 0:
             self._start(loop)
+        elif self._running < self.size and self._slow_check is None:
+            self._slow_check = loop.call_at(self._waiting_since + self.slow_seconds, self._check_slow, loop)
         return await answer
+
+    def _check_slow(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Reads still waiting: start another statement if they have waited `slow_seconds`, or look again
+        when the ones waiting now will have."""
+        self._slow_check = None
+        if not self._waiting or self._running >= self.size or loop is not self._loop:
+            return
+        if loop.time() >= self._waiting_since + self.slow_seconds:
+            self._start(loop)
+        else:
+            self._slow_check = loop.call_at(self._waiting_since + self.slow_seconds, self._check_slow, loop)
 
     def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         batch, self._waiting = self._waiting, []

@@ -139,3 +139,48 @@ def test_postgres_reader_fails_fast_while_the_database_is_away(
         await reader.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_slow_statement_holds_up_other_reads_only_briefly(postgres_db_url: str, size: int) -> None:
+    """One statement at a time as a rule; reads that have waited `slow_seconds` behind a slow one get a
+    statement of their own, up to `size` in flight."""
+    upgrade(postgres_db_url)
+    _insert_jobs(postgres_db_url, [(f"ft-{i}", "a") for i in range(3)])
+    reader = PostgresReader.for_engine(sa.create_engine(postgres_db_url, poolclass=NullPool), size=size)
+    reader.slow_seconds = 0.05
+    batches: list[list[str]] = []
+    read_many = reader._read
+
+    async def first_one_slow(job_ids: list[str]) -> list[object]:
+        batches.append(job_ids)
+        if len(batches) == 1:
+            await asyncio.sleep(1.0)
+        return await read_many(job_ids)
+
+    reader._read = first_one_slow  # type: ignore[method-assign]
+
+    async def scenario() -> list[float]:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        slow = asyncio.create_task(reader.read_job("a", "ft-0"))
+        await asyncio.sleep(0.01)
+        others = [asyncio.create_task(reader.read_job("a", job_id)) for job_id in ("ft-1", "ft-2")]
+        await asyncio.sleep(0.02)
+        assert len(batches) == 1  # not yet: they have waited less than slow_seconds
+        done = []
+        for task in others:
+            row = await task
+            assert row is not None
+            done.append(loop.time() - started)
+        assert (await slow).id == "ft-0"
+        await reader.close()
+        return done
+
+    done = asyncio.run(scenario())
+    assert batches == [["ft-0"], ["ft-1", "ft-2"]]  # the two waiting reads shared the second statement
+    if size == 2:
+        assert max(done) < 0.5  # well before the slow statement's second
+    else:
+        assert min(done) >= 1.0  # one connection: they waited for it
