@@ -97,6 +97,11 @@ class NewJob:
     def id(self) -> str:
         return str(self.row["id"])
 
+    def created(self) -> Outcome:
+        """The outcome of this job once inserted: its row as read back (without a read)."""
+        row = self.row
+        return Outcome(JobRow._make([row.get(name) for name in JOB_COLUMNS]), True)
+
     def created_json(self) -> str:
         """The job as `JobPublic.of` shows it, as JSON, once `write_jobs` has created it: the values are
         those of `row`, the rest as every new job has them. Made here, not by the model: JobPublic.of and
@@ -213,8 +218,7 @@ def write_jobs(connection: Connection, batch: Sequence[NewJob]) -> list[Outcome 
         else:
             _insert_sqlite(connection, news)
         for i in fresh:
-            row = batch[i].row
-            outcomes[i] = Outcome(JobRow._make([row.get(name) for name in JOB_COLUMNS]), True)
+            outcomes[i] = batch[i].created()
     if existing:
         found = {row.id: row for row in connection.execute(_READ_JOBS, {"ids": list(set(existing.values()))})}
         for i, job_id in existing.items():
@@ -297,7 +301,7 @@ _PG_ROWS = ", ".join(f"{name} {kind}" for name, kind in _PG_JOB_COLUMNS.items())
 # on a busy server each of the writer thread's waits for an answer cost it a wait for the GIL after). The
 # rows travel as one JSON document, which PostgreSQL takes apart: as an array per column (unnest), psycopg's
 # array dumper took a quarter of the writer thread's time (py-spy, 64 clients). Nothing is returned.
-_PG_INSERT_NEW_JOBS = (
+PG_INSERT_NEW_JOBS = (
     f"WITH new_jobs AS (INSERT INTO jobs ({', '.join(_PG_JOB_COLUMNS)}) "
     f"SELECT {', '.join(_PG_JOB_COLUMNS)} FROM json_to_recordset(%(jobs)s::json) AS j({_PG_ROWS}) "
     "RETURNING id, seq, created_at), "
@@ -311,6 +315,12 @@ _PG_TIMES = ("created_at", "updated_at")
 
 
 def _insert_postgres(connection: Connection, news: Sequence[NewJob]) -> None:
+    connection.exec_driver_sql(PG_INSERT_NEW_JOBS, pg_new_jobs_parameters(news))
+    _insert_keys(connection, news)
+
+
+def pg_new_jobs_parameters(news: Sequence[NewJob]) -> dict[str, str]:
+    """The parameters of PG_INSERT_NEW_JOBS (psycopg's %(name)s style) for the jobs `news`."""
     jobs = []
     for new in news:
         row = {name: new.row[name] for name in _PG_JOB_COLUMNS}
@@ -322,9 +332,12 @@ def _insert_postgres(connection: Connection, news: Sequence[NewJob]) -> None:
         for new in news
         for key, value in new.spec.metadata.items()
     ]
-    parameters = {"jobs": json.dumps(jobs), "metadata": json.dumps(metadata), "data": _CREATED_DATA_JSON}
-    connection.exec_driver_sql(_PG_INSERT_NEW_JOBS, {**parameters, **_CREATED_EVENT})
-    _insert_keys(connection, news)
+    return {
+        "jobs": json.dumps(jobs),
+        "metadata": json.dumps(metadata),
+        "data": _CREATED_DATA_JSON,
+        **_CREATED_EVENT,
+    }
 
 
 def write_one(engine: Engine, new: NewJob) -> Outcome | ApiError:

@@ -132,7 +132,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
         try:
             yield
         finally:
-            job_writer.close()
+            await job_writer.aclose()
             if dispatcher is not None:
                 dispatcher.stop()
             if isinstance(wakes, Waker):

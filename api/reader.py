@@ -16,16 +16,13 @@ SQLite and 4,305 on PostgreSQL.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sqlite3
-import time
-from collections import deque
 from datetime import datetime
 from typing import Any, Protocol
 
 from sqlalchemy.engine import Engine
 
-from api import db
+from api import pg_async
 from api.errors import DatabaseUnavailable
 from api.jobs import JOB_COLUMNS, JobRow, read_job_row
 
@@ -125,7 +122,11 @@ class PostgresReader:
         self.connect_timeout = connect_timeout
         self.statement_timeout = statement_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._idle: deque[tuple[Any, float]] = deque()  # (connection, idle since), most recent last
+        from psycopg.rows import namedtuple_row
+
+        self._connections = pg_async.AsyncConnections(
+            conninfo, connect_timeout=connect_timeout, row_factory=namedtuple_row
+        )
         self._waiting: list[tuple[str, str, asyncio.Future[Any]]] = []  # (tenant, job id, answer)
         self._running = 0  # statements in flight
         self._waiting_since = 0.0  # when the first of `_waiting` asked
@@ -134,14 +135,13 @@ class PostgresReader:
 
     @classmethod
     def for_engine(cls, engine: Engine, size: int = 2) -> PostgresReader:
-        url = engine.url.set(drivername="postgresql")
-        return cls(url.render_as_string(hide_password=False), size)
+        return cls(pg_async.conninfo(engine), size)
 
     def _bind(self) -> asyncio.AbstractEventLoop:
         # Connections belong to one event loop; a new loop (a test's second client) starts afresh.
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
-            self._discard_all()
+            self._connections.discard_all()
             self._loop = loop
             self._waiting, self._running, self._tasks = [], 0, set()
             self._slow_check = None
@@ -206,70 +206,30 @@ class PostgresReader:
         import psycopg
 
         for attempt in (1, 2):
-            connection, pooled = await self._checkout()
+            connection, pooled = await self._connections.checkout()
             try:
                 async with asyncio.timeout(self.statement_timeout):
                     cursor = await connection.execute(self.STATEMENT, (job_ids,))
                     rows = await cursor.fetchall()
             except psycopg.OperationalError as exc:
-                await _close(connection)
+                await pg_async.close(connection)
                 if pooled and attempt == 1:
                     continue  # dropped while pooled (idle or not): once more, on a new connection
                 raise DatabaseUnavailable(str(exc)) from exc
             except TimeoutError as exc:
-                await _close(connection)
+                await pg_async.close(connection)
                 raise DatabaseUnavailable("the database did not answer in time") from exc
             except BaseException:
-                await _close(connection)  # cancelled mid-statement: its state is unknown
+                await pg_async.close(connection)  # cancelled mid-statement: its state is unknown
                 raise
-            self._idle.append((connection, time.monotonic()))
+            self._connections.checkin(connection)
             return rows
         raise AssertionError("unreachable")
-
-    async def _checkout(self) -> tuple[Any, bool]:
-        import psycopg
-        from psycopg.rows import namedtuple_row
-
-        while self._idle:
-            connection, since = self._idle.pop()
-            if connection.closed:
-                continue
-            if time.monotonic() - since >= db.IDLE_PING_SECONDS:
-                # Long idle (as for the sync pool): a server restart or a NAT timeout may have dropped it.
-                try:
-                    async with asyncio.timeout(self.connect_timeout):
-                        await connection.execute("SELECT 1")
-                except (psycopg.OperationalError, TimeoutError):
-                    await _close(connection)
-                    continue
-            return connection, True
-        try:
-            connection = await psycopg.AsyncConnection.connect(
-                self.conninfo,
-                autocommit=True,
-                row_factory=namedtuple_row,
-                connect_timeout=max(1, round(self.connect_timeout)),
-            )
-        except psycopg.OperationalError as exc:
-            raise DatabaseUnavailable(str(exc)) from exc
-        return connection, False
-
-    def _discard_all(self) -> None:
-        while self._idle:
-            connection, _ = self._idle.pop()
-            connection.pgconn.finish()  # no await: its loop may be gone
 
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        while self._idle:
-            connection, _ = self._idle.pop()
-            await _close(connection)
-
-
-async def _close(connection: Any) -> None:
-    with contextlib.suppress(Exception):
-        await connection.close()
+        await self._connections.close()
 
 
 def make_reader(engine: Engine) -> JobReader:

@@ -104,12 +104,12 @@ def test_postgres_reader_replaces_a_connection_the_server_dropped(postgres_db_ur
 
     async def scenario() -> None:
         assert await _read(reader, "ft-none") is None
-        ((connection, _),) = reader._idle
+        ((connection, _),) = reader._connections._idle
         first = connection.info.backend_pid
         with engine.connect() as killer:
             assert killer.exec_driver_sql(f"SELECT pg_terminate_backend({first})").scalar()
         assert await _read(reader, "ft-none") is None  # retried on a new connection, unseen by the caller
-        ((connection, _),) = reader._idle
+        ((connection, _),) = reader._connections._idle
         assert connection.info.backend_pid != first
         await reader.close()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -18,12 +19,14 @@ from api import dispatcher as dispatcher_module
 from api import jobs as service
 from api.db import make_engine
 from api.dispatcher import Dispatcher
-from api.errors import ApiError
+from api.errors import ApiError, DatabaseUnavailable
 from api.executors import make_executor
 from api.jobs import NewJob, Outcome, read_job_row
+from api.migrate import upgrade
 from api.schemas import JobCreate, JobPublic
 from api.settings import Settings
-from api.writer import JobWriter
+from api.writer import JobWriter, PostgresWriter, make_writer
+from tests.support.postgres import PostgresServer
 
 
 def _spec(dataset: Path, name: str, **extra: Any) -> JobCreate:
@@ -47,7 +50,8 @@ def test_concurrent_creates_share_transactions_and_get_their_own_answers(
         Session(engine), _spec(dataset, "earlier"), settings, "alpha", idempotency_key="old"
     )
     commits: list[int] = []
-    writer = JobWriter(engine, on_commit=lambda: commits.append(1))
+    # On PostgreSQL a PostgresWriter: the jobs without a key from the event loop, the others on a JobWriter.
+    writer = make_writer(engine, on_commit=lambda: commits.append(1))
 
     def new(name: str, tenant: str = "alpha", key: str | None = None, **extra: Any) -> NewJob:
         return service.prepare_job(_spec(dataset, name, **extra), settings, tenant, key)
@@ -61,12 +65,14 @@ def test_concurrent_creates_share_transactions_and_get_their_own_answers(
     batch = [*plain, twice_a, twice_b, clash, repeat, other_tenant]
 
     async def create_all() -> list[Outcome | BaseException]:
-        return await asyncio.gather(*(writer.create(n) for n in batch), return_exceptions=True)
+        try:
+            return await asyncio.gather(*(writer.create(n) for n in batch), return_exceptions=True)
+        finally:
+            await writer.aclose()
 
     try:
         results = asyncio.run(create_all())
     finally:
-        writer.close()
         engine.dispose()
 
     outcomes = dict(zip([id(n) for n in batch], results, strict=True))
@@ -133,27 +139,28 @@ def test_a_request_that_goes_away_does_not_cancel_its_write(
     stored all the same, and the writer goes on answering the others."""
     settings = make_settings(dispatcher_enabled=False)
     engine = make_engine(settings.resolved_database_url)
-    writer = JobWriter(engine)
+    writer = make_writer(engine)
     news = [service.prepare_job(_spec(dataset, f"j{i}"), settings, "alpha") for i in range(6)]
 
     async def run() -> list[Outcome | BaseException]:
-        gone = [asyncio.create_task(writer.create(n)) for n in news[:3]]
-        await asyncio.sleep(0)  # they are waiting for the writer
-        for task in gone:
-            task.cancel()
-        stayed = asyncio.gather(*(writer.create(n) for n in news[3:]), return_exceptions=True)
-        results = await asyncio.wait_for(stayed, timeout=30)
-        assert all(task.cancelled() for task in gone)
-        return results
+        try:
+            gone = [asyncio.create_task(writer.create(n)) for n in news[:3]]
+            await asyncio.sleep(0)  # they are waiting for the writer
+            for task in gone:
+                task.cancel()
+            stayed = asyncio.gather(*(writer.create(n) for n in news[3:]), return_exceptions=True)
+            results = await asyncio.wait_for(stayed, timeout=30)
+            assert all(task.cancelled() for task in gone)
+            return results
+        finally:
+            await writer.aclose()
 
     try:
         results = asyncio.run(run())
-        writer.close()
         assert all(isinstance(r, Outcome) and r.created for r in results)
         for n in news:
             assert read_job_row(engine, "alpha", n.id) is not None
     finally:
-        writer.close()
         engine.dispose()
 
 
@@ -178,6 +185,106 @@ def test_a_database_that_is_away_fails_each_request_and_the_writer_goes_on(tmp_p
             assert all(isinstance(r, OperationalError) for r in asyncio.run(create(count)))
     finally:
         writer.close()
+
+
+def _backend_pid(writer: PostgresWriter) -> int:
+    ((connection, _),) = writer._connections._idle
+    return int(connection.info.backend_pid)
+
+
+@pytest.mark.postgres
+def test_postgres_writer_replaces_a_dropped_connection_and_never_stores_a_job_twice(
+    postgres_db_url: str, tmp_path: Path
+) -> None:
+    """A pooled connection the server dropped fails its statement, which is tried once more on a new one;
+    if the first try had committed, the second finds the jobs stored and answers them as created."""
+    import psycopg
+
+    upgrade(postgres_db_url)
+    settings = Settings(data_dir=tmp_path / "state", allow_tiny_model=True, database_url=postgres_db_url)
+    settings.ensure_dirs()
+    engine = make_engine(postgres_db_url)
+    writer = PostgresWriter(engine)
+    names = ["first", "second", "committed", "taken", "after"]
+    news = {
+        name: service.prepare_job(_spec(settings.data_dir / "t.txt", name), settings, "alpha")
+        for name in names
+    }
+
+    def store(new: NewJob) -> None:
+        with engine.begin() as connection:
+            service.write_jobs(connection, [new])
+
+    def drop(pid: int) -> None:
+        with engine.connect() as connection:
+            assert connection.exec_driver_sql(f"SELECT pg_terminate_backend({pid})").scalar()
+
+    async def scenario() -> None:
+        try:
+            assert (await writer.create(news["first"])).created
+            dropped = _backend_pid(writer)
+            drop(dropped)
+            second = await writer.create(news["second"])  # on a new connection, unseen by the caller
+            assert second.created and second.job.id == news["second"].id
+            assert _backend_pid(writer) != dropped
+            # As if the first try had committed and then lost its connection before the answer came.
+            store(news["committed"])
+            drop(_backend_pid(writer))
+            committed = await writer.create(news["committed"])
+            assert committed.created and committed.job.id == news["committed"].id
+            # On a connection that did not drop, a taken id is an error, not an answer.
+            store(news["taken"])
+            with pytest.raises(psycopg.errors.UniqueViolation):
+                await writer.create(news["taken"])
+            assert (await writer.create(news["after"])).created  # and the writer goes on
+        finally:
+            await writer.aclose()
+
+    try:
+        asyncio.run(scenario())
+        for name, new in news.items():
+            assert _count(engine, "SELECT count(*) FROM jobs WHERE id = :id", id=new.id) == 1, name
+        events = "SELECT count(*) FROM job_events WHERE message = 'Job created and queued.'"
+        assert _count(engine, events) == len(names)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_postgres_writer_fails_fast_while_the_database_is_away(
+    own_postgres: PostgresServer, tmp_path: Path
+) -> None:
+    url = own_postgres.create_database("writer")
+    upgrade(url)
+    settings = Settings(data_dir=tmp_path / "state", allow_tiny_model=True, database_url=url)
+    settings.ensure_dirs()
+    engine = make_engine(url)
+    writer = PostgresWriter(engine)
+
+    def new(name: str) -> NewJob:
+        return service.prepare_job(_spec(settings.data_dir / "t.txt", name), settings, "alpha")
+
+    async def scenario() -> None:
+        try:
+            assert (await writer.create(new("before"))).created
+            own_postgres.stop("fast")
+            for round_ in range(3):  # the pooled connection is gone, then no new one can be opened
+                started = time.monotonic()
+                together = await asyncio.gather(
+                    *(writer.create(new(f"away-{round_}-{i}")) for i in range(5)), return_exceptions=True
+                )
+                assert all(isinstance(error, DatabaseUnavailable) for error in together), together
+                assert time.monotonic() - started < 4.0
+            own_postgres.start()
+            assert (await writer.create(new("after"))).created  # back without a restart of the writer
+        finally:
+            await writer.aclose()
+
+    try:
+        asyncio.run(scenario())
+        assert _count(engine, "SELECT count(*) FROM jobs") == 2
+    finally:
+        engine.dispose()
 
 
 def test_dispatcher_passes_page_through_more_jobs_than_one_pass_takes(
