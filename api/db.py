@@ -108,6 +108,17 @@ class _WriteLock:
             self._flocked = self._file.lock(deadline)
         return True
 
+    def try_acquire(self) -> bool:
+        """The lock if no one holds it (nor waits in flock(2) for it), without waiting."""
+        if not self._threads.acquire(blocking=False):
+            return False
+        if self._file is not None:
+            if not self._file.try_lock():
+                self._threads.release()
+                return False
+            self._flocked = True
+        return True
+
     def release(self) -> None:
         if self._flocked:
             self._flocked = False
@@ -156,6 +167,16 @@ class _FileWaits:
                     return False
                 self._turns.wait(left)
             return True
+
+    def try_lock(self) -> bool:
+        with self._turns:
+            if self._waiting:  # the thread waits for an abandoned turn: the lock would be its too
+                return False
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                return False
 
     def _wait(self) -> None:
         while True:
@@ -210,6 +231,12 @@ class SerializedWrites(sqlite3.Connection):
     def acquire_for_write(self) -> None:
         if not self._holding:
             self._holding = self._lock.acquire(timeout=_WRITE_WAIT_SECONDS)
+
+    def try_acquire_for_write(self) -> bool:
+        """The write lock, if it is free now (no wait)."""
+        if not self._holding:
+            self._holding = self._lock.try_acquire()
+        return self._holding
 
     def release_unless_writing(self) -> None:
         if self._holding and not self.in_transaction:

@@ -17,7 +17,7 @@ from sqlmodel import Session
 
 from api import dispatcher as dispatcher_module
 from api import jobs as service
-from api.db import make_engine
+from api.db import WRITE_LOCK_SUFFIX, make_engine
 from api.dispatcher import Dispatcher
 from api.errors import ApiError, DatabaseUnavailable
 from api.executors import make_executor
@@ -25,7 +25,7 @@ from api.jobs import NewJob, Outcome, read_job_row
 from api.migrate import upgrade
 from api.schemas import JobCreate, JobPublic
 from api.settings import Settings
-from api.writer import JobWriter, PostgresWriter, make_writer
+from api.writer import JobWriter, PostgresWriter, SqliteWriter, make_writer
 from tests.support.postgres import PostgresServer
 
 
@@ -164,7 +164,8 @@ def test_a_request_that_goes_away_does_not_cancel_its_write(
         engine.dispose()
 
 
-def test_a_database_that_is_away_fails_each_request_and_the_writer_goes_on(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["JobWriter", "SqliteWriter"])
+def test_a_database_that_is_away_fails_each_request_and_the_writer_goes_on(tmp_path: Path, kind: str) -> None:
     settings = Settings(data_dir=tmp_path / "state", allow_tiny_model=True)
     settings.ensure_dirs()
     dataset = settings.data_dir / "train.txt"
@@ -172,7 +173,8 @@ def test_a_database_that_is_away_fails_each_request_and_the_writer_goes_on(tmp_p
     engine = make_engine(f"sqlite:///{tmp_path / 'missing-dir' / 'x' / 'tputune.db'}")
     (tmp_path / "missing-dir" / "x").rmdir()
     (tmp_path / "missing-dir" / "x").write_text("a file where the database's directory should be")
-    writer = JobWriter(engine)
+    writer = JobWriter(engine) if kind == "JobWriter" else SqliteWriter(engine)
+    error = OperationalError if kind == "JobWriter" else DatabaseUnavailable  # both answered with a 503
 
     async def create(count: int) -> list[Any]:
         news = [service.prepare_job(_spec(dataset, f"j{i}"), settings, "alpha") for i in range(count)]
@@ -182,9 +184,122 @@ def test_a_database_that_is_away_fails_each_request_and_the_writer_goes_on(tmp_p
 
     try:
         for count in (5, 1):
-            assert all(isinstance(r, OperationalError) for r in asyncio.run(create(count)))
+            results = asyncio.run(create(count))
+            assert all(isinstance(r, error) for r in results), results
     finally:
-        writer.close()
+        asyncio.run(writer.aclose())
+
+
+def _sqlite_writer_setup(tmp_path: Path) -> tuple[Settings, sa.Engine]:
+    url = f"sqlite:///{tmp_path / 'tputune.db'}"
+    upgrade(url)
+    settings = Settings(data_dir=tmp_path / "state", allow_tiny_model=True, database_url=url)
+    settings.ensure_dirs()
+    return settings, make_engine(url)
+
+
+def test_sqlite_writer_waits_on_the_loop_for_a_lock_held_briefly(tmp_path: Path) -> None:
+    """Another writer of this process holds the lock for 5 ms: the jobs wait on the loop and are written
+    there once it is let go (not handed to the thread)."""
+    settings, engine = _sqlite_writer_setup(tmp_path)
+    writer = SqliteWriter(engine)
+    news = [
+        service.prepare_job(_spec(settings.data_dir / "t.txt", f"j{i}"), settings, "alpha") for i in range(5)
+    ]
+    holder = engine.raw_connection().dbapi_connection
+    assert holder is not None
+
+    async def scenario() -> list[Outcome]:
+        assert holder.try_acquire_for_write()
+        try:
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.005, holder.release_unless_writing)
+            return await asyncio.gather(*(writer.create(n) for n in news))
+        finally:
+            await writer.aclose()
+
+    try:
+        outcomes = asyncio.run(scenario())
+        assert [o.job.id for o in outcomes] == [n.id for n in news] and all(o.created for o in outcomes)
+        assert writer.handed_over == 0 and writer.keyed._thread is None  # the thread never started
+        assert _count(engine, "SELECT count(*) FROM jobs") == 5
+    finally:
+        holder.close()
+        engine.dispose()
+
+
+def test_sqlite_writer_hands_the_jobs_over_when_another_process_holds_the_lock(tmp_path: Path) -> None:
+    """Another process (the dispatcher's) holds the lock for 0.5 s: after `wait_seconds` the batch goes to
+    the JobWriter's thread, which waits in flock(2) and writes it when the lock is let go."""
+    import subprocess
+    import sys
+
+    settings, engine = _sqlite_writer_setup(tmp_path)
+    writer = SqliteWriter(engine)
+    lock_file = str(tmp_path / "tputune.db") + WRITE_LOCK_SUFFIX
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time\n"
+            f"fd = os.open({lock_file!r}, os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(0.5)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    news = [
+        service.prepare_job(_spec(settings.data_dir / "t.txt", f"j{i}"), settings, "alpha") for i in range(3)
+    ]
+
+    async def scenario() -> list[Outcome]:
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(writer.create(n) for n in news)), timeout=30)
+        finally:
+            await writer.aclose()
+
+    try:
+        started = time.monotonic()
+        outcomes = asyncio.run(scenario())
+        assert time.monotonic() - started >= 0.3  # it waited for the other process
+        assert all(o.created for o in outcomes) and writer.handed_over == 1
+        assert _count(engine, "SELECT count(*) FROM jobs") == 3
+        assert _count(engine, "SELECT count(*) FROM job_events") == 3
+    finally:
+        holder.wait(timeout=10)
+        engine.dispose()
+
+
+def test_sqlite_writer_checkpoints_on_a_thread_not_on_the_loop(tmp_path: Path) -> None:
+    settings, engine = _sqlite_writer_setup(tmp_path)
+    writer = SqliteWriter(engine, checkpoint_seconds=0.0)
+
+    async def scenario() -> None:
+        try:
+            for round_ in range(3):
+                news = [
+                    service.prepare_job(
+                        _spec(settings.data_dir / "t.txt", f"j{round_}-{i}"), settings, "alpha"
+                    )
+                    for i in range(20)
+                ]
+                await asyncio.gather(*(writer.create(n) for n in news))
+                await asyncio.sleep(0.05)
+            assert writer._connection is not None
+            # The loop's connection makes no checkpoints of its own.
+            assert writer._connection.execute("PRAGMA wal_autocheckpoint").fetchone() == (0,)
+        finally:
+            await writer.aclose()
+
+    try:
+        asyncio.run(scenario())
+        assert writer.checkpoints.made >= 1
+        last = writer.checkpoints.last
+        assert last is not None and last[0] == 0 and last[1] == last[2] > 0  # every WAL frame copied back
+        assert _count(engine, "SELECT count(*) FROM jobs") == 60
+    finally:
+        engine.dispose()
 
 
 def _backend_pid(writer: PostgresWriter) -> int:
