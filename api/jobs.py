@@ -386,7 +386,7 @@ def create_job(
     session: Session, spec: JobSpec, settings: Settings, tenant: str, idempotency_key: str | None = None
 ) -> tuple[Job, bool]:
     """Insert a queued job and commit; returns (job, created). For scripts and tests: the API creates
-    jobs through `api.writer.JobWriter`, which stores the jobs of concurrent requests together."""
+    jobs through `api.writer` (`make_writer`), which stores the jobs of concurrent requests together."""
     new = prepare_job(spec, settings, tenant, idempotency_key)
     [outcome] = write_jobs(session.connection(), [new])
     session.commit()

@@ -284,7 +284,8 @@ def _tune_interpreter() -> None:
       sight. A full collection walked all of it, pausing every request for tens of ms: with 64 clients,
       p99 of GET /jobs/{id} was ~150 ms with the collector as is, ~70 ms without it.
     - The event loop shares the interpreter with the job writer thread (and the dispatcher's, when it is
-      not a process of its own; these figures were measured so). A thread that got an answer from the
+      not a process of its own; these figures were measured so, before most jobs were written on the loop
+      itself: the thread now writes those with an Idempotency-Key). A thread that got an answer from the
       database waits for the loop to let go of the GIL: up to the switch interval, 5 ms by default, per
       round trip. At 1 ms, POST /jobs at 64 clients (2 cores, 2 runs each): SQLite 1,910-2,490 req/s, p99
       42-52 ms (5 ms: 1,650-1,940, p99 57-63); PostgreSQL 2,089-2,200, p99 54-56 ms (5 ms: 1,484-1,900,

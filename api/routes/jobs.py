@@ -118,8 +118,9 @@ async def create_job(request: Request) -> Response:
     idempotency_key = request.headers.get("idempotency-key")
     if idempotency_key is not None and len(idempotency_key) > IDEMPOTENCY_KEY_MAX:
         raise RequestValidationError([_KEY_TOO_LONG | {"input": idempotency_key}])
-    # On the event loop: the checks are CPU work (and a realpath of local paths); the write waits for the
-    # job writer (api.writer), which stores the jobs of concurrent requests in one transaction.
+    # On the event loop: the checks are CPU work (and a kernel lookup of local paths); the write waits for
+    # the job writer (api.writer), which stores the jobs of concurrent requests in one transaction (on the
+    # loop too, but for jobs with an Idempotency-Key or a SQLite write lock held long by another writer).
     new = service.prepare_job(spec, request.app.state.settings, tenant, idempotency_key)
     outcome = await request.app.state.job_writer.create(new)
     if outcome.created:
