@@ -466,6 +466,31 @@ def test_jobs_with_unusable_data_fail_in_groups_each_with_its_own_reason(
     engine.dispose()
 
 
+def test_a_job_whose_validation_file_is_unusable_fails_with_its_own_code(
+    make_settings: Callable[..., Settings], dataset: Path, data_root: Path
+) -> None:
+    """The dispatcher checks the validation file too (from the light page: the URIs out of the spec's
+    JSON in SQL), and names the file that is wrong."""
+    settings = make_settings(dispatcher_enabled=False)
+    engine = make_engine(settings.resolved_database_url)
+    missing = data_root / "missing-validation.txt"
+    specs = [
+        _spec(dataset, "bad-validation", validation_uri=str(missing)),
+        _spec(data_root / "missing.txt", "both", validation_uri=str(dataset)),
+    ]
+    with Session(engine) as session:
+        ids = [service.create_job(session, spec, settings, "alpha")[0].id for spec in specs]
+    assert Dispatcher(engine, make_executor(settings), settings).tick() is False
+    with Session(engine) as session:
+        jobs = [service.get_job(session, "alpha", job_id) for job_id in ids]
+    assert [(job.status, job.error_code) for job in jobs] == [
+        ("failed", "validation_not_found"),
+        ("failed", "dataset_not_found"),
+    ]
+    assert jobs[0].error_message is not None and str(missing) in jobs[0].error_message
+    engine.dispose()
+
+
 def test_failing_queued_jobs_leaves_out_one_that_moved_on(
     make_settings: Callable[..., Settings], dataset: Path
 ) -> None:
