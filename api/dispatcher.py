@@ -77,6 +77,8 @@ class Dispatcher:
         self._tenant_jobs: dict[str, list[Any]] = {}
         # Jobs of this pass whose data is unusable, with why: they fail together (_fail_unusable).
         self._unusable: list[tuple[int, str, str]] = []  # (seq, error code, message)
+        # Queued jobs of this pass whose local data _queued_page found usable: _claim does not check again.
+        self._data_checked: set[int] = set()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -130,6 +132,7 @@ class Dispatcher:
             return False
         more = False
         self._tenant_jobs.clear()
+        self._data_checked.clear()
         with session_scope(self.engine) as session:
             try:
                 queued, more_queued = self._queued_page(session)
@@ -155,34 +158,23 @@ class Dispatcher:
         """The next page of queued jobs (as `_page`), less those whose data is a local file found unusable
         now: they fail in groups (FAIL_GROUP a transaction) without being loaded (a burst of them is the
         costliest thing a pass does: loading the job objects was half of it). The others, loaded."""
-        after = self._cursor.get("queued", 0)
-        page = (
-            sa_select(_table.c.seq, _table.c.launched_at, _table.c.spec)
-            .where(
-                _table.c.status == JobStatus.queued.value,
-                _table.c.executor == self.executor.name,
-                _table.c.seq > after,
-            )
-            .order_by(_table.c.seq)
-            .limit(PAGE)
-            .subquery()
-        )
+        columns = (_table.c.seq, _table.c.launched_at, _table.c.spec)
+        page = self._page_query("queued", [JobStatus.queued], *columns).subquery()
         # The paths out of the JSON are taken after the LIMIT: else PostgreSQL may take them for every
         # queued job before it sorts (25 ms, not 4.5, with 4,000 queued).
         uris = [page.c.spec[key].as_string() for key in ("dataset_uri", "validation_uri")]
         query = sa_select(page.c.seq, page.c.launched_at, *uris).order_by(page.c.seq)
         rows = session.connection().execute(query).all()
-        more = len(rows) == PAGE
-        self._cursor["queued"] = rows[-1].seq if more else 0
+        more = self._turn_page("queued", [row.seq for row in rows])
         load: list[int] = []
         used = time.thread_time()
         for seq, launched_at, dataset, validation in rows:
-            uris = [dataset] + ([validation] if validation else [])
-            if launched_at is not None or any(uri.startswith("gs://") for uri in uris):
+            files = self._files(dataset, validation)
+            if launched_at is not None or any(uri.startswith("gs://") for uri, _ in files):
                 load.append(seq)
                 continue
             try:
-                for uri, what in zip(uris, ("dataset", "validation"), strict=False):
+                for uri, what in files:
                     check_dataset(uri, self.settings, what=what)
             except DatasetUnavailable as exc:
                 self._unusable.append((seq, exc.code, exc.message))
@@ -193,6 +185,8 @@ class Dispatcher:
                 continue
             except Exception:  # (_claim checks it again, and says what went wrong)
                 pass
+            else:
+                self._data_checked.add(seq)
             load.append(seq)
         self._yield(time.thread_time() - used)
         if not load:
@@ -204,14 +198,28 @@ class Dispatcher:
         """The next `PAGE` jobs in `statuses`, oldest first, after where the last pass of this kind stopped
         (so jobs past the first page, behind ones held by a tenant cap say, get their turn); and whether
         it stopped short of the end."""
+        jobs = list(session.scalars(self._page_query(kind, statuses, Job)).all())
+        return jobs, self._turn_page(kind, [job.seq or 0 for job in jobs])
+
+    def _page_query(self, kind: str, statuses: list[JobStatus], *columns: Any) -> Any:
+        """`columns` of the next page of jobs in `statuses` (see _page)."""
         after = self._cursor.get(kind, 0)
-        query = select(Job).where(
-            col(Job.status).in_(statuses), Job.executor == self.executor.name, col(Job.seq) > after
+        return (
+            sa_select(*columns)
+            .where(
+                _table.c.status.in_([status.value for status in statuses]),
+                _table.c.executor == self.executor.name,
+                _table.c.seq > after,
+            )
+            .order_by(_table.c.seq)
+            .limit(PAGE)
         )
-        jobs = list(session.exec(query.order_by(col(Job.seq)).limit(PAGE)).all())
-        more = len(jobs) == PAGE
-        self._cursor[kind] = (jobs[-1].seq or 0) if more else 0
-        return jobs, more
+
+    def _turn_page(self, kind: str, seqs: list[int]) -> bool:
+        """Where the next page of this kind starts, after one with `seqs`; whether there may be more."""
+        more = len(seqs) == PAGE
+        self._cursor[kind] = seqs[-1] if more else 0
+        return more
 
     def _guard(self, session: Session, job: Job, step: Any) -> None:
         token = job_id_var.set(job.id)
@@ -251,7 +259,7 @@ class Dispatcher:
         # even over its tenant's cap (it would never run). A Cloud Storage check may take seconds: the job
         # is `starting` ("Checking the dataset.") while it runs (_launch).
         local = not any(uri.startswith("gs://") for uri, _ in self._data(job))
-        if local and not self._data_usable(session, job):
+        if local and job.seq not in self._data_checked and not self._data_usable(session, job):
             return
         waiting = self._over_tenant_cap(session, job)
         if waiting is not None:
@@ -263,13 +271,14 @@ class Dispatcher:
                 self._tenant_jobs[job.tenant].append(job)
             self._launch(session, job, data_checked=local)
 
-    @staticmethod
-    def _data(job: Job) -> list[tuple[str, str]]:
+    @classmethod
+    def _data(cls, job: Job) -> list[tuple[str, str]]:
         """The files a job reads: (URI, what), the dataset and the validation file if it names one."""
-        spec = job.spec
-        return [(spec["dataset_uri"], "dataset")] + (
-            [(spec["validation_uri"], "validation")] if spec.get("validation_uri") else []
-        )
+        return cls._files(job.spec["dataset_uri"], job.spec.get("validation_uri"))
+
+    @staticmethod
+    def _files(dataset_uri: str, validation_uri: str | None) -> list[tuple[str, str]]:
+        return [(dataset_uri, "dataset")] + ([(validation_uri, "validation")] if validation_uri else [])
 
     def _data_usable(self, session: Session, job: Job) -> bool:
         """Check the job's data; if it is unusable the job fails, if storage did not answer it waits."""

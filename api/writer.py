@@ -268,9 +268,7 @@ class SqliteWriter:
         try:
             written = self._write_here([new for new, _ in batch])
         except Exception as exc:
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
+            _answer([(future, exc) for _, future in batch])
             return
         if not written:
             loop = asyncio.get_running_loop()
@@ -281,9 +279,7 @@ class SqliteWriter:
                 self.handed_over += 1
                 self.keyed.submit(batch)
             return
-        for new, future in batch:
-            if not future.done():
-                future.set_result(new.created())
+        _answer([(future, new.created()) for new, future in batch])
         self.checkpoints.ask()
         if self.on_commit is not None:
             self.on_commit()
@@ -438,15 +434,11 @@ class PostgresWriter:
             await self._insert([new for new, _ in batch])
         except BaseException as exc:
             error = exc if isinstance(exc, Exception) else DatabaseUnavailable("stopped")
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(error)
+            _answer([(future, error) for _, future in batch])
             if not isinstance(exc, Exception):
                 raise
         else:
-            for new, future in batch:
-                if not future.done():
-                    future.set_result(new.created())
+            _answer([(future, new.created()) for new, future in batch])
             if self.on_commit is not None:
                 self.on_commit()
         finally:
