@@ -10,8 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, Protocol
 
 import anyio
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Response
 from fastapi.security import HTTPBearer
+from pydantic import BaseModel
 from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -74,6 +75,18 @@ def _close(session: Session) -> None:
         log.warning("dropped a database connection that could not be returned: %s", exc)
         with contextlib.suppress(Exception):
             session.invalidate()
+
+
+def json_response(model: BaseModel, status_code: int = 200) -> Response:
+    """`model` as the JSON response, made on the route's worker thread. Every sync route that reads
+    through the request's session answers with it (tests/test_api.py's deadlock test covers them).
+
+    Returning a model instead makes FastAPI validate and serialize it on a second trip through the thread
+    pool, while the request's session still holds its database connection: slower, and under load the
+    requests holding connections waited there for threads held by requests waiting for connections (on
+    PostgreSQL, whose pool has a cap, until the pool's timeout answered them 503).
+    """
+    return Response(model.model_dump_json(), status_code=status_code, media_type="application/json")
 
 
 _CLOSERS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tputune-session-close")

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import bindparam, exists, insert, update
+from sqlalchemy import bindparam, insert, update
 from sqlalchemy import select as sa_select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
@@ -28,7 +28,7 @@ from sqlmodel import Session, col, select
 
 from api.db import autocommit_connection
 from api.errors import ApiError, not_found
-from api.models import IdempotencyKey, Job, JobEvent, JobMetadata, as_utc, utcnow
+from api.models import IdempotencyKey, Job, JobEvent, as_utc, utcnow
 from api.settings import Settings
 from api.states import FINAL, JobStatus, check_transition
 from api.validation import check_spec
@@ -416,39 +416,55 @@ def read_job_row(engine: Engine, tenant: str, job_id: str) -> Any | None:
         return connection.execute(_READ_JOB, {"job_id": job_id, "tenant": tenant}).first()
 
 
-def list_jobs(
-    session: Session,
-    tenant: str,
-    *,
-    status: Sequence[str] = (),
-    metadata: dict[str, str] | None = None,
-    after: str | None = None,
-    limit: int = 20,
-) -> tuple[list[Any], bool]:
-    """A page of the tenant's jobs, newest first: rows with the `Job` columns as attributes."""
-    query = select(Job).where(Job.tenant == tenant)
-    if status:
-        query = query.where(col(Job.status).in_(list(status)))
-    for key, value in (metadata or {}).items():
-        query = query.where(
-            exists().where(
-                col(JobMetadata.job_seq) == col(Job.seq),
-                col(JobMetadata.key) == key,
-                col(JobMetadata.value) == value,
+@dataclass(frozen=True)
+class JobListing:
+    """What `GET /jobs` asks for: a page of a tenant's jobs, newest first (`api.reader` runs it)."""
+
+    status: Sequence[str] = ()
+    metadata: dict[str, str] | None = None
+    after: str | None = None  # a job id: the jobs older than it
+    limit: int = 20
+
+    @property
+    def filtered(self) -> bool:
+        """Whether finding a page may read many rows that are not on it (a status or metadata filter): an
+        unfiltered page reads at most `limit` + 1 rows of an index, and the cursor's row by its id."""
+        return bool(self.status or self.metadata)
+
+    def statement(self, tenant: str, columns: str, mark: str) -> tuple[str, list[Any]]:
+        """The page's SELECT of `columns` (SQL) and its parameters, `mark` the driver's placeholder ("?" or
+        "%s"): `limit` + 1 rows, the extra one saying whether there are more. A cursor that is not a job
+        of the tenant's selects nothing (`seq < NULL`); `cursor_statement` tells that from an empty page."""
+        where = [f"tenant = {mark}"]
+        params: list[Any] = [tenant]
+        if self.after is not None:
+            where.append(f"seq < (SELECT seq FROM jobs WHERE id = {mark} AND tenant = {mark})")
+            params += [self.after, tenant]
+        if self.status:
+            where.append(f"status IN ({', '.join([mark] * len(self.status))})")
+            params += list(self.status)
+        for key, value in (self.metadata or {}).items():
+            where.append(
+                "EXISTS (SELECT 1 FROM job_metadata WHERE job_metadata.job_seq = jobs.seq"
+                f" AND job_metadata.key = {mark} AND job_metadata.value = {mark})"
             )
-        )
-    if after is not None:
-        cursor = session.exec(select(Job.seq).where(Job.id == after, Job.tenant == tenant)).first()
-        if cursor is None:
+            params += [key, value]
+        sql = f"SELECT {columns} FROM jobs WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT {mark}"
+        return sql, [*params, self.limit + 1]
+
+    def cursor_statement(self, tenant: str, mark: str) -> tuple[str, list[Any]]:
+        """A row if `after` is a job of the tenant's (asked only when the page came back empty)."""
+        return f"SELECT 1 FROM jobs WHERE id = {mark} AND tenant = {mark}", [self.after, tenant]
+
+    def page(self, rows: list[Any], cursor_found: bool = True) -> tuple[list[Any], bool]:
+        """(the page's rows, whether more follow) from the statement's rows."""
+        if not cursor_found:
             raise ApiError(
-                400, "invalid_cursor", f"'after' must be the id of a job in a previous page; {after} is not."
+                400,
+                "invalid_cursor",
+                f"'after' must be the id of a job in a previous page; {self.after} is not.",
             )
-        query = query.where(col(Job.seq) < cursor)
-    # Plain rows, not ORM objects (a page is only read): building 50 Job instances cost more than the query.
-    table = Job.__table__  # type: ignore[attr-defined]
-    statement = query.with_only_columns(*table.columns).order_by(col(Job.seq).desc()).limit(limit + 1)
-    rows: list[Any] = list(session.execute(statement).all())
-    return rows[:limit], len(rows) > limit
+        return rows[: self.limit], len(rows) > self.limit
 
 
 def list_events(

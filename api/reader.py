@@ -21,21 +21,50 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from sqlalchemy.engine import Engine
+from starlette.concurrency import run_in_threadpool
 
 from api import pg_async
 from api.errors import DatabaseUnavailable
-from api.jobs import JOB_COLUMNS, JobRow, read_job_row
+from api.jobs import JOB_COLUMNS, JobListing, JobRow, read_job_row
 
 
 class JobReader(Protocol):
     async def read_job(self, tenant: str, job_id: str) -> Any | None:
         """The job as a row with `api.jobs.JOB_COLUMNS` as attributes, or None."""
 
+    async def list_jobs(self, tenant: str, listing: JobListing) -> tuple[list[Any], bool]:
+        """A page of the tenant's jobs (rows as `read_job` gives them, newest first) and whether more
+        follow; ApiError invalid_cursor for an `after` that is not one of the tenant's jobs."""
+
     async def close(self) -> None: ...
 
 
+_COLUMNS = ", ".join(JOB_COLUMNS)
+_TIMES = [i for i, name in enumerate(JOB_COLUMNS) if name.endswith("_at")]
+
+
+def _sqlite_row(values: tuple[Any, ...]) -> Any:
+    """A JobRow from sqlite3's values: times parsed (SQLAlchemy stores them as ISO text, UTC); the spec
+    stays JSON text until `job_spec` needs it (once per job and process)."""
+    row = list(values)
+    for i in _TIMES:
+        if row[i] is not None:
+            row[i] = datetime.fromisoformat(row[i])
+    return JobRow._make(row)
+
+
+def _sqlite_list(execute: Any, tenant: str, listing: JobListing) -> tuple[list[Any], bool]:
+    """`listing` run with `execute(sql, params) -> rows` on a SQLite connection."""
+    try:
+        rows = execute(*listing.statement(tenant, _COLUMNS, "?"))
+        found = bool(rows) or listing.after is None or bool(execute(*listing.cursor_statement(tenant, "?")))
+    except sqlite3.OperationalError as exc:
+        raise DatabaseUnavailable(str(exc)) from exc
+    return listing.page([_sqlite_row(values) for values in rows], found)
+
+
 class InlineReader:
-    """SQLite in memory (tests): the read through the engine, on the event loop."""
+    """SQLite in memory (tests): the reads through the engine, on the event loop."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -43,18 +72,23 @@ class InlineReader:
     async def read_job(self, tenant: str, job_id: str) -> Any | None:
         return read_job_row(self.engine, tenant, job_id)
 
+    async def list_jobs(self, tenant: str, listing: JobListing) -> tuple[list[Any], bool]:
+        with self.engine.connect() as connection:
+            return _sqlite_list(
+                lambda sql, params: connection.exec_driver_sql(sql, tuple(params)).all(), tenant, listing
+            )
+
     async def close(self) -> None:
         pass
 
 
-_COLUMNS = ", ".join(JOB_COLUMNS)
-_TIMES = [i for i, name in enumerate(JOB_COLUMNS) if name.endswith("_at")]
-
-
 class SqliteReader:
     """SQLite file: the read on the event loop, on a connection of its own (sqlite3 without SQLAlchemy's
-    layers, a third of the route's time through them). Times come back as SQLAlchemy stores them (ISO
-    text, UTC); the spec stays JSON text until `job_spec` needs it (once per job and process)."""
+    layers, a third of the route's time through them); rows as `_sqlite_row` makes them.
+
+    An unfiltered page of `GET /jobs` is read on the event loop too: at most `limit` + 1 rows of an index.
+    A filtered one (status, metadata) may read many more rows, so it runs on a worker thread, on a
+    connection of its own, and does not hold up the loop."""
 
     STATEMENT = f"SELECT {_COLUMNS} FROM jobs WHERE id = ? AND tenant = ?"
 
@@ -63,24 +97,44 @@ class SqliteReader:
         self.busy_timeout = busy_timeout
         self._connection: sqlite3.Connection | None = None
 
+    def _connect(self) -> sqlite3.Connection:
+        # In WAL mode (the engine sets it) a reader does not wait for writers; a lock held for long (a
+        # migration) answers 503 after busy_timeout rather than stalling the loop longer.
+        return sqlite3.connect(
+            self.path, timeout=self.busy_timeout, check_same_thread=False, isolation_level=None
+        )
+
     async def read_job(self, tenant: str, job_id: str) -> Any | None:
         try:
             if self._connection is None:
-                # In WAL mode (the engine sets it) a reader does not wait for writers; a lock held for
-                # long (a migration) answers 503 after busy_timeout rather than stalling the loop longer.
-                self._connection = sqlite3.connect(
-                    self.path, timeout=self.busy_timeout, check_same_thread=False, isolation_level=None
-                )
+                self._connection = self._connect()
             values = self._connection.execute(self.STATEMENT, (job_id, tenant)).fetchone()
         except sqlite3.OperationalError as exc:
             raise DatabaseUnavailable(str(exc)) from exc
-        if values is None:
-            return None
-        values = list(values)
-        for i in _TIMES:
-            if values[i] is not None:
-                values[i] = datetime.fromisoformat(values[i])
-        return JobRow._make(values)
+        return None if values is None else _sqlite_row(values)
+
+    async def list_jobs(self, tenant: str, listing: JobListing) -> tuple[list[Any], bool]:
+        if listing.filtered:
+            return await run_in_threadpool(self._list_on_own_connection, tenant, listing)
+        try:
+            if self._connection is None:
+                self._connection = self._connect()
+        except sqlite3.OperationalError as exc:
+            raise DatabaseUnavailable(str(exc)) from exc
+        connection = self._connection
+        return _sqlite_list(lambda sql, params: connection.execute(sql, params).fetchall(), tenant, listing)
+
+    def _list_on_own_connection(self, tenant: str, listing: JobListing) -> tuple[list[Any], bool]:
+        try:
+            connection = self._connect()
+        except sqlite3.OperationalError as exc:
+            raise DatabaseUnavailable(str(exc)) from exc
+        try:
+            return _sqlite_list(
+                lambda sql, params: connection.execute(sql, params).fetchall(), tenant, listing
+            )
+        finally:
+            connection.close()
 
     async def close(self) -> None:
         if self._connection is not None:
@@ -100,12 +154,17 @@ class PostgresReader:
     waited `slow_seconds` behind a statement that is taking long, so one slow statement does not hold up
     every read.
 
+    Pages of `GET /jobs` are a statement each, up to `list_size` in flight (more wait their turn), with a
+    longer time limit (`list_timeout`): a filtered page may read many rows. Rows come as `read_job` gives
+    them, with the spec as its JSON text (validated once per job and process, `job_spec`).
+
     A pooled connection the server dropped (a restart) fails its statement: it is tried once more on a
     new connection, so the requests do not see it. While the database is away a read fails within the
     connect timeout (`DatabaseUnavailable`, a 503) and does not hang: the statement has a time limit too.
     """
 
-    STATEMENT = f"SELECT {_COLUMNS}, tenant FROM jobs WHERE id = ANY(%s)"
+    COLUMNS = _COLUMNS.replace("spec", "spec::text AS spec", 1) + ", tenant"
+    STATEMENT = f"SELECT {COLUMNS} FROM jobs WHERE id = ANY(%s)"
 
     def __init__(
         self,
@@ -115,9 +174,13 @@ class PostgresReader:
         connect_timeout: float = 3.0,
         statement_timeout: float = 5.0,
         slow_seconds: float = 0.02,
+        list_size: int = 4,
+        list_timeout: float = 30.0,
     ) -> None:
         self.conninfo = conninfo
         self.size = size
+        self.list_size = list_size
+        self.list_timeout = list_timeout
         self.slow_seconds = slow_seconds
         self.connect_timeout = connect_timeout
         self.statement_timeout = statement_timeout
@@ -132,6 +195,7 @@ class PostgresReader:
         self._waiting_since = 0.0  # when the first of `_waiting` asked
         self._slow_check: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._list_slots = asyncio.Semaphore(list_size)
 
     @classmethod
     def for_engine(cls, engine: Engine, size: int = 2) -> PostgresReader:
@@ -145,6 +209,7 @@ class PostgresReader:
             self._loop = loop
             self._waiting, self._running, self._tasks = [], 0, set()
             self._slow_check = None
+            self._list_slots = asyncio.Semaphore(self.list_size)
         return loop
 
     async def read_job(self, tenant: str, job_id: str) -> Any | None:
@@ -202,14 +267,26 @@ class PostgresReader:
             if self._waiting and self._loop is asyncio.get_running_loop():
                 self._start(self._loop)
 
+    async def list_jobs(self, tenant: str, listing: JobListing) -> tuple[list[Any], bool]:
+        self._bind()
+        async with self._list_slots:
+            rows = await self._execute(*listing.statement(tenant, self.COLUMNS, "%s"), self.list_timeout)
+            found = bool(rows) or listing.after is None
+            if not found:
+                found = bool(await self._execute(*listing.cursor_statement(tenant, "%s"), self.list_timeout))
+        return listing.page(rows, found)
+
     async def _read(self, job_ids: list[str]) -> list[Any]:
+        return await self._execute(self.STATEMENT, [job_ids], self.statement_timeout)
+
+    async def _execute(self, statement: str, params: list[Any], timeout: float) -> list[Any]:
         import psycopg
 
         for attempt in (1, 2):
             connection, pooled = await self._connections.checkout()
             try:
-                async with asyncio.timeout(self.statement_timeout):
-                    cursor = await connection.execute(self.STATEMENT, (job_ids,))
+                async with asyncio.timeout(timeout):
+                    cursor = await connection.execute(statement, params)
                     rows = await cursor.fetchall()
             except psycopg.OperationalError as exc:
                 await pg_async.close(connection)

@@ -70,6 +70,7 @@ class Asgi:
             elif message["type"] == "http.response.body":
                 chunks.append(message.get("body", b""))
 
+        path, _, query = path.partition("?")
         scope = {
             "type": "http",
             "asgi": {"version": "3.0"},
@@ -78,7 +79,7 @@ class Asgi:
             "scheme": "http",
             "path": path,
             "raw_path": path.encode(),
-            "query_string": b"",
+            "query_string": query.encode(),
             "root_path": "",
             "headers": headers,
             "client": ("127.0.0.1", 40000),
@@ -148,17 +149,30 @@ async def run(args: argparse.Namespace, data_dir: Path) -> dict[str, Any]:
     (datasets / "train.txt").write_text("Once upon a time.\n")
     body = json.dumps(job_body(datasets / "train.txt")).encode()
     results = {}
+    # A page of 50 jobs is ~50 times a GET's work: a tenth of the requests.
+    list_args = argparse.Namespace(**{**vars(args), "requests": max(args.concurrency, args.requests // 10)})
     async with app.router.lifespan_context(app):
         status, created = await client.request("POST", "/jobs", body)
         if status != 201:
             raise RuntimeError(f"POST /jobs answered {status}: {created[:300]!r}")
         job_id = json.loads(created)["id"]
+        for _ in range(LIST_JOBS):  # a full page for GET /jobs, and more
+            status, created = await client.request("POST", "/jobs", body)
+            if status != 201:
+                raise RuntimeError(f"POST /jobs answered {status}: {created[:300]!r}")
+        deep = json.loads(created)["id"]  # the newest: `after` it, a full page of older jobs
         gc.collect()
         gc.freeze()  # as `tputune serve` does (api.server)
         results["healthz"] = await measure(client, "GET", "/healthz", b"", 200, args)
         results["get_job"] = await measure(client, "GET", f"/jobs/{job_id}", b"", 200, args)
+        results["list_jobs"] = await measure(client, "GET", "/jobs?limit=50", b"", 200, list_args)
+        after = f"/jobs?limit=50&after={deep}"
+        results["list_after"] = await measure(client, "GET", after, b"", 200, list_args)
         results["post_job"] = await measure(client, "POST", "/jobs", body, 201, args)
     return results
+
+
+LIST_JOBS = 60
 
 
 def job_body(dataset: Path, name: str = "bench") -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -270,19 +271,49 @@ def test_an_overlong_idempotency_key_is_422(client: TestClient, dataset: Path) -
     )
 
 
+def test_followed_streams_do_not_hold_database_connections(
+    live_api: Callable[..., LiveApi], dataset: Path
+) -> None:
+    """A client following a job's events (the dashboard does, for as long as a job page is open) or
+    logs holds no pooled connection while it waits: with more followers than connections, other requests
+    are still answered at once."""
+    api = live_api(dispatcher_enabled=False, database_pool_size=2)
+    with api.client() as http:
+        body = {"name": "followed", "model": "tiny", "dataset_uri": str(dataset)}
+        job_id = http.post("/jobs", json=body).json()["id"]  # stays queued: its stream never ends
+    with contextlib.ExitStack() as streams:
+        for _ in range(4):
+            http = streams.enter_context(api.client())
+            response = streams.enter_context(
+                http.stream("GET", f"/jobs/{job_id}/events", params={"follow": "true"}, timeout=30)
+            )
+            assert next(response.iter_lines()).startswith("id: ")  # the stream has begun
+        with api.client() as http:
+            for path in ("/events", "/metrics", "/checkpoints", ""):
+                started = time.monotonic()
+                assert http.get(f"/jobs/{job_id}{path}", timeout=30).status_code == 200, path
+                assert time.monotonic() - started < 2.0, path  # not after the pool's 5 s timeout
+
+
 def test_more_requests_than_threads_and_connections_never_deadlock(
     live_api: Callable[..., LiveApi], dataset: Path
 ) -> None:
-    """Finished requests give their connection back even when every route thread waits for one."""
+    """Finished requests give their connection back even when every route thread waits for one (the
+    events route reads through a session on a route thread; the list, on the event loop, in between)."""
     api = live_api(dispatcher_enabled=False, worker_threads=2, database_pool_size=2)
     with api.client() as http:
+        ids = []
         for i in range(60):
             body = {"name": f"j{i}", "model": "tiny", "dataset_uri": str(dataset)}
-            assert http.post("/jobs", json=body).status_code == 201
+            created = http.post("/jobs", json=body)
+            assert created.status_code == 201
+            ids.append(created.json()["id"])
 
-    def list_page(_: int) -> int:
+    def list_page(i: int) -> int:
         with api.client() as http:
-            return http.get("/jobs", params={"limit": 50}).status_code
+            if i % 4 == 0:
+                return http.get("/jobs", params={"limit": 50}).status_code
+            return http.get(f"/jobs/{ids[i % 60]}/events", params={"limit": 50}).status_code
 
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=32) as pool:

@@ -113,6 +113,12 @@ def test_tenants_are_isolated(auth_client: TestClient, dataset: Path) -> None:
         assert response.status_code == 404 and response.json()["error"]["code"] == "job_not_found"
     assert auth_client.get("/jobs", headers=bearer(beta)).json()["data"] == []
     assert [j["id"] for j in auth_client.get("/jobs", headers=bearer(alpha)).json()["data"]] == [job_id]
+    # Nor is it a cursor for beta's list: the same answer as for an id that exists nowhere.
+    for after in (job_id, "ft-nowhere"):
+        listed = auth_client.get("/jobs", params={"after": after}, headers=bearer(beta))
+        assert listed.status_code == 400 and listed.json()["error"]["code"] == "invalid_cursor"
+        assert after in listed.json()["error"]["message"]
+    assert auth_client.get("/jobs", params={"after": job_id}, headers=bearer(alpha)).json()["data"] == []
     # Idempotency keys are per tenant too.
     a = auth_client.post("/jobs", json=job(dataset), headers={**bearer(alpha), "Idempotency-Key": "same"})
     b = auth_client.post("/jobs", json=job(dataset), headers={**bearer(beta), "Idempotency-Key": "same"})

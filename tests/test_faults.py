@@ -54,8 +54,14 @@ def test_database_restart_under_load(own_postgres: PostgresServer, tmp_path: Pat
             while not stop.is_set():
                 started = time.monotonic()
                 try:
-                    if random.random() < 0.5:
+                    # The reads on the event loop (a job, a page of jobs), one through the pool, the writes.
+                    pick = random.random()
+                    if pick < 0.3:
                         code = http.get(f"/jobs/{job_id}").status_code
+                    elif pick < 0.45:
+                        code = http.get("/jobs", params={"limit": 20}).status_code
+                    elif pick < 0.55:
+                        code = http.get(f"/jobs/{job_id}/events").status_code
                     else:
                         code = http.post(
                             "/jobs", json={"name": "b", "model": "tiny", "dataset_uri": str(dataset)}

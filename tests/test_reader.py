@@ -11,30 +11,77 @@ import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from sqlalchemy.pool import NullPool
+from sqlmodel import Session, col, select
 
 from api.errors import DatabaseUnavailable
 from api.migrate import upgrade
+from api.models import Job
 from api.reader import InlineReader, PostgresReader, SqliteReader, make_reader
+from api.schemas import JobPage, JobPublic
 from tests.support.postgres import PostgresServer
 from tests.test_progress import metrics, post, started_job
 
 
-def test_get_answers_as_the_list_does(client: TestClient, dataset: Path) -> None:
-    """The polled route reads with the driver itself; the list reads through SQLAlchemy: every field of a
-    running job with progress, metrics, a checkpoint and times must come out the same."""
+def test_get_and_list_answer_as_the_models_write_them(client: TestClient, dataset: Path) -> None:
+    """GET /jobs/{id} and GET /jobs read with the driver on the event loop and write each job's JSON
+    themselves (api.reader, routes/jobs.py's _rendered and _page_json): byte for byte, what JobPublic and
+    JobPage write for the ORM's Job objects. A running job with progress, metrics, a checkpoint and times,
+    queued and cancelled ones with metadata; pages through a cursor, filtered pages (on SQLite read on a
+    worker thread), an empty last page."""
     reader = client.app.state.job_reader  # type: ignore[attr-defined]
-    backend = client.app.state.engine.dialect.name  # type: ignore[attr-defined]
-    assert isinstance(reader, PostgresReader if backend == "postgresql" else SqliteReader)
+    engine = client.app.state.engine  # type: ignore[attr-defined]
+    assert isinstance(reader, PostgresReader if engine.dialect.name == "postgresql" else SqliteReader)
     job_id, token = started_job(client, dataset)
     post(client, job_id, token, [metrics(3, 2.5), {"kind": "eval", "step": 3, "eval_loss": 2.7}])
     post(client, job_id, token, [{"kind": "checkpoint", "step": 3, "uri": "/x/ckpt/3", "loss": 2.5}])
     client.post(f"/jobs/{job_id}/cancel")  # cancel_requested: still running, until the worker stops
+    others = []
+    for i in range(4):
+        body = {
+            "name": f"j{i}",
+            "model": "tiny",
+            "dataset_uri": str(dataset),
+            "metadata": {"team": "ab"[i % 2]},
+        }
+        others.append(client.post("/jobs", json=body).json()["id"])
+    client.post(f"/jobs/{others[1]}/cancel")
+    newest_first = [*reversed(others), job_id]
+
+    def public(ids: list[str]) -> list[JobPublic]:
+        with Session(engine) as session:
+            jobs = {job.id: job for job in session.exec(select(Job).where(col(Job.id).in_(ids)))}
+            return [JobPublic.of(jobs[i]) for i in ids]
+
+    def expected(ids: list[str], has_more: bool) -> str:
+        page = JobPage(data=public(ids), has_more=has_more, next_after=ids[-1] if has_more else None)
+        return page.model_dump_json()
+
     fetched = client.get(f"/jobs/{job_id}")
     assert fetched.status_code == 200
-    listed = {job["id"]: job for job in client.get("/jobs").json()["data"]}
-    assert fetched.json() == listed[job_id]
+    assert fetched.text == public([job_id])[0].model_dump_json()
     assert fetched.json()["started_at"].endswith(("Z", "+00:00"))
     assert fetched.json()["checkpoint_uri"] == "/x/ckpt/3"
+    pages = [
+        ({"limit": 2}, newest_first[:2], True),
+        ({"limit": 2, "after": newest_first[1]}, newest_first[2:4], True),
+        ({"limit": 2, "after": newest_first[3]}, newest_first[4:], False),
+        ({"after": newest_first[-1]}, [], False),  # a cursor at the end: an empty page, not an error
+        ({"metadata[team]": "a"}, [others[2], others[0]], False),
+        ({"status": "cancelled"}, [others[1]], False),
+        ({"status": ["queued", "cancelled"], "limit": 3}, newest_first[:3], True),
+        ({"status": "queued", "metadata[team]": "b"}, [others[3]], False),
+    ]
+    for params, ids, has_more in pages:
+        listed = client.get("/jobs", params=params)
+        assert listed.status_code == 200, (params, listed.text)
+        assert listed.text == (
+            expected(ids, has_more)
+            if ids
+            else '{"object":"list","data":[],"has_more":false,"next_after":null}'
+        ), params
+    for params in ({"after": "ft-nope"}, {"after": "ft-nope", "status": "queued"}):
+        answer = client.get("/jobs", params=params)
+        assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_cursor", params
     assert client.get("/jobs/ft-nope").json()["error"]["code"] == "job_not_found"
 
 

@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 from sqlmodel import col, select
 
 from api.auth import COOKIE_NAME, new_api_key
-from api.deps import AdminDep, SessionDep
+from api.deps import AdminDep, SessionDep, json_response
 from api.errors import ApiError
 from api.models import ApiKey, as_utc, utcnow
 from api.schemas import ErrorResponse, error_responses
@@ -63,18 +63,18 @@ _admin_errors: dict[int | str, dict] = {
 @router.post(
     "/admin/keys", status_code=201, response_model=KeyCreated, responses=_admin_errors, summary="Create a key"
 )
-def create_key(body: KeyCreate, session: SessionDep, _admin: AdminDep) -> KeyCreated:
+def create_key(body: KeyCreate, session: SessionDep, _admin: AdminDep) -> Response:
     key_id, prefix, plaintext, digest = new_api_key()
     row = ApiKey(id=key_id, tenant=body.tenant, name=body.name, prefix=prefix, key_hash=digest)
     session.add(row)
     session.commit()
-    return KeyCreated(**KeyPublic.of(row).model_dump(), key=plaintext)
+    return json_response(KeyCreated(**KeyPublic.of(row).model_dump(), key=plaintext), 201)
 
 
 @router.get("/admin/keys", response_model=KeyList, responses=_admin_errors, summary="List keys")
-def list_keys(session: SessionDep, _admin: AdminDep) -> KeyList:
+def list_keys(session: SessionDep, _admin: AdminDep) -> Response:
     rows = session.exec(select(ApiKey).order_by(col(ApiKey.created_at))).all()
-    return KeyList(data=[KeyPublic.of(row) for row in rows])
+    return json_response(KeyList(data=[KeyPublic.of(row) for row in rows]))
 
 
 @router.delete(
@@ -83,7 +83,7 @@ def list_keys(session: SessionDep, _admin: AdminDep) -> KeyList:
     responses={**_admin_errors, 404: {"model": ErrorResponse, "description": "No such key."}},
     summary="Revoke a key",
 )
-def revoke_key(key_id: str, request: Request, session: SessionDep, _admin: AdminDep) -> KeyPublic:
+def revoke_key(key_id: str, request: Request, session: SessionDep, _admin: AdminDep) -> Response:
     row = session.get(ApiKey, key_id)
     if row is None:
         raise ApiError(
@@ -94,7 +94,7 @@ def revoke_key(key_id: str, request: Request, session: SessionDep, _admin: Admin
         session.add(row)
         session.commit()
     request.app.state.auth.forget()
-    return KeyPublic.of(row)
+    return json_response(KeyPublic.of(row))
 
 
 class SessionLogin(BaseModel):
