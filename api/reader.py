@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api import pg_async
 from api.errors import DatabaseUnavailable
-from api.jobs import JOB_COLUMNS, JobListing, JobRow, read_job_row
+from api.jobs import JOB_COLUMNS, JobListing, JobRow
 
 
 class JobReader(Protocol):
@@ -64,13 +64,16 @@ def _sqlite_list(execute: Any, tenant: str, listing: JobListing) -> tuple[list[A
 
 
 class InlineReader:
-    """SQLite in memory (tests): the reads through the engine, on the event loop."""
+    """SQLite in memory: the reads through the engine (its one connection), on the event loop; the rows as
+    SqliteReader gives them."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
     async def read_job(self, tenant: str, job_id: str) -> Any | None:
-        return read_job_row(self.engine, tenant, job_id)
+        with self.engine.connect() as connection:
+            values = connection.exec_driver_sql(SqliteReader.STATEMENT, (job_id, tenant)).first()
+        return None if values is None else _sqlite_row(tuple(values))
 
     async def list_jobs(self, tenant: str, listing: JobListing) -> tuple[list[Any], bool]:
         with self.engine.connect() as connection:

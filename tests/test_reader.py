@@ -13,7 +13,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy.pool import NullPool
 from sqlmodel import Session, col, select
 
-from api.errors import DatabaseUnavailable
+from api.errors import ApiError, DatabaseUnavailable
+from api.jobs import JobListing
 from api.migrate import upgrade
 from api.models import Job
 from api.reader import InlineReader, PostgresReader, SqliteReader, make_reader
@@ -83,6 +84,24 @@ def test_get_and_list_answer_as_the_models_write_them(client: TestClient, datase
         answer = client.get("/jobs", params=params)
         assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_cursor", params
     assert client.get("/jobs/ft-nope").json()["error"]["code"] == "job_not_found"
+    if engine.dialect.name == "sqlite":  # the reader for SQLite in memory, through the engine: the same rows
+        inline = InlineReader(engine)
+        for params, _, _ in pages:
+            status = params.get("status", [])
+            listing = JobListing(
+                status=[status] if isinstance(status, str) else status,
+                metadata={"team": params["metadata[team]"]} if "metadata[team]" in params else None,
+                after=params.get("after"),
+                limit=params.get("limit", 20),
+            )
+            assert asyncio.run(inline.list_jobs("default", listing)) == asyncio.run(
+                reader.list_jobs("default", listing)
+            ), params
+        with pytest.raises(ApiError, match="ft-nope"):
+            asyncio.run(inline.list_jobs("default", JobListing(after="ft-nope")))
+        assert asyncio.run(inline.read_job("default", job_id)) == asyncio.run(
+            reader.read_job("default", job_id)
+        )
 
 
 def test_sqlite_in_memory_reads_through_the_engine() -> None:
