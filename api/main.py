@@ -163,6 +163,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
     app.state.leader = dispatcher.leader if isinstance(dispatcher, Dispatcher) else None
     app.state.auth = Authenticator(engine, settings, buckets)
     app.state.metrics = metrics
+    app.state.log_followers = jobs.LogFollowers(settings.max_log_followers, metrics.log_followers)
     errors.install(app)
     app.include_router(health.router)
     app.include_router(jobs.router)

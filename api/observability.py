@@ -58,6 +58,12 @@ class Metrics:
             registry=own,
         )
         self.reports = Counter("tputune_worker_reports", "Worker reports stored", registry=own)
+        self.log_followers = Gauge(
+            "tputune_log_followers",
+            "Job logs followed now (GET /jobs/{id}/logs?follow=true)",
+            registry=own,
+            multiprocess_mode="livesum",
+        )
         self.launches: Counter | None = None
         self.last_pass: Gauge | None = None
         if dispatcher_stats is not None:

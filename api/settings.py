@@ -101,6 +101,13 @@ class Settings(BaseSettings):
     worker_threads: int = Field(
         default=8, ge=1, le=256, description="Threads that run the API's blocking route code."
     )
+    max_log_followers: int = Field(
+        default=32,
+        ge=0,
+        le=4096,
+        description="Job logs followed at once (`GET /jobs/{id}/logs?follow=true`, kubernetes executor), per "
+        "API process; each holds a thread of its own and a connection to the Kubernetes API. More get 429.",
+    )
     tenant_max_active_jobs: int | None = Field(
         default=None, ge=1, description="Jobs of one tenant running at once; more wait queued."
     )

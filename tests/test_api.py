@@ -282,12 +282,14 @@ def test_followed_streams_do_not_hold_database_connections(
         body = {"name": "followed", "model": "tiny", "dataset_uri": str(dataset)}
         job_id = http.post("/jobs", json=body).json()["id"]  # stays queued: its stream never ends
     with contextlib.ExitStack() as streams:
+        reading = []  # (a line iterator let go closes its response: kept until the end)
         for _ in range(4):
             http = streams.enter_context(api.client())
             response = streams.enter_context(
                 http.stream("GET", f"/jobs/{job_id}/events", params={"follow": "true"}, timeout=30)
             )
-            assert next(response.iter_lines()).startswith("id: ")  # the stream has begun
+            reading.append(response.iter_lines())
+            assert next(reading[-1]).startswith("id: ")  # the stream has begun
         with api.client() as http:
             for path in ("/events", "/metrics", "/checkpoints", ""):
                 started = time.monotonic()

@@ -64,10 +64,19 @@ class LaunchRefused(OSError):
 
 @runtime_checkable
 class FollowsLogs(Protocol):
-    def follow_logs(self, job: Job, tail: int) -> Iterator[str]:
+    def follow_logs(self, job: Job, tail: int) -> LogStream:
         """The last `tail` lines, then new ones as they come, until the log ends; LookupError if there is
         no log to follow yet."""
         ...
+
+
+class LogStream(Protocol):
+    """A followed log. Reading it blocks until a line comes (iterate on a thread of its own)."""
+
+    def __iter__(self) -> Iterator[str]: ...
+
+    def interrupt(self) -> None:
+        """End the stream, from any thread: a read blocked in it returns."""
 
 
 @runtime_checkable

@@ -8,6 +8,7 @@ Executor protocol and reads a job's state off the cache (`observation_of`, a pur
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -699,7 +700,7 @@ class KubernetesExecutor:
         lines = text.splitlines()
         return lines[-tail:], len(lines) > tail
 
-    def follow_logs(self, job: Job, tail: int) -> Iterator[str]:
+    def follow_logs(self, job: Job, tail: int) -> _PodLog:
         pod = self._process_zero(job)
         if pod is None:
             raise LookupError(f"Job {job.id} has no worker pod yet; retry once it is starting.")
@@ -711,7 +712,22 @@ class KubernetesExecutor:
                     f"The worker of job {job.id} has not started yet ({api_message(exc)})."
                 ) from exc
             raise
-        return _lines(response)
+        return _PodLog(response)
+
+
+class _PodLog:
+    """A pod's followed log (api.executors.LogStream) over its open urllib3 response."""
+
+    def __init__(self, response: Any) -> None:
+        self.response = response
+
+    def __iter__(self) -> Iterator[str]:
+        return _lines(self.response)
+
+    def interrupt(self) -> None:
+        # Shuts the socket down: a read blocked in it on another thread returns (closing it would not).
+        with contextlib.suppress(Exception):
+            self.response.shutdown()
 
 
 def _lines(response: Any) -> Iterator[str]:

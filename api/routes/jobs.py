@@ -6,6 +6,7 @@ import re
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
+import anyio
 from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
@@ -25,7 +26,7 @@ from api.deps import (
     json_response,
 )
 from api.errors import ApiError, json_body, not_found, read_json_body
-from api.executors import FollowsLogs
+from api.executors import FollowsLogs, LogStream
 from api.schemas import (
     EXAMPLE_JOB,
     CheckpointList,
@@ -239,6 +240,9 @@ def list_events(
         start = after
         if last_event_id and last_event_id.isdigit():
             start = int(last_event_id)
+        # The stream reads through sessions of its own: the request's would hold a pooled connection for
+        # as long as the client follows (hours, for a dashboard page left open).
+        session.close()
         return StreamingResponse(
             _follow_events(request, job.id, tenant, start or 0, type or []),
             media_type="text/event-stream",
@@ -334,6 +338,7 @@ def job_checkpoints(job_id: str, session: SessionDep, tenant: TenantDep) -> Resp
 )
 def job_logs(
     job_id: str,
+    request: Request,
     session: SessionDep,
     tenant: TenantDep,
     executor: ExecutorDep,
@@ -355,13 +360,65 @@ def job_logs(
                 "poll GET /jobs/{id}/logs instead.",
                 param="follow",
             )
+        followers: LogFollowers = request.app.state.log_followers
+        followers.check()
+        session.close()  # (not held while the client follows: see list_events)
         try:
             stream = executor.follow_logs(job, tail)
         except LookupError as exc:
             raise ApiError(409, "logs_not_ready", str(exc)) from None
-        return StreamingResponse((f"{line}\n" for line in stream), media_type="text/plain; charset=utf-8")
+        return StreamingResponse(followers.relay(stream), media_type="text/plain; charset=utf-8")
     lines, truncated = executor.logs(job, tail) if job.launched_at is not None else ([], False)
     return json_response(LogsResponse(job_id=job.id, lines=lines, truncated=truncated))
+
+
+class LogFollowers:
+    """The logs followed through this process (`GET /jobs/{id}/logs?follow=true`).
+
+    Reading a followed log blocks until its next line, which may be minutes away. Each is read on a thread
+    of its own, not on the routes' (`worker_threads`): there, a few followers held every thread, and the
+    other sync routes, workers' progress reports among them, waited for one. When the client goes away the
+    stream is interrupted at once (its blocked read returns), not at its next line. At most `limit` at once;
+    more are refused (429), not left waiting."""
+
+    def __init__(self, limit: int, gauge: Any = None) -> None:
+        self.limit = limit
+        self.active = 0  # (changed on the event loop only)
+        self.gauge = gauge
+        self._threads = anyio.CapacityLimiter(max(1, limit))
+
+    def check(self) -> None:
+        if self.active >= self.limit:
+            raise ApiError(
+                429,
+                "too_many_log_followers",
+                f"This server follows {self.active} job logs now, the most it allows "
+                "(TPUTUNE_MAX_LOG_FOLLOWERS); poll GET /jobs/{id}/logs instead, or follow again later.",
+                param="follow",
+                headers={"Retry-After": "10"},
+            )
+
+    async def relay(self, stream: LogStream) -> AsyncIterator[str]:
+        lines = iter(stream)
+        self._count(1)
+        try:
+            while True:
+                # abandon_on_cancel: a client that went away is let go now; the interrupt below ends the
+                # read its thread is blocked in.
+                line = await anyio.to_thread.run_sync(
+                    next, lines, None, abandon_on_cancel=True, limiter=self._threads
+                )
+                if line is None:
+                    return
+                yield f"{line}\n"
+        finally:
+            stream.interrupt()
+            self._count(-1)
+
+    def _count(self, change: int) -> None:
+        self.active += change
+        if self.gauge is not None:
+            self.gauge.inc(change)
 
 
 @router.post(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -79,3 +80,59 @@ def test_local_logs_cannot_be_followed(client: TestClient, dataset: Path) -> Non
     job = client.post("/jobs", json={"name": "local", "model": "tiny", "dataset_uri": str(dataset)}).json()
     answer = client.get(f"/jobs/{job['id']}/logs", params={"follow": "true"})
     assert answer.status_code == 400 and answer.json()["error"]["code"] == "follow_not_supported"
+
+
+def _followers_gauge(api: LiveApi) -> float:
+    with api.client() as http:
+        text = http.get("/metrics").text
+    return float(
+        next(line.split()[1] for line in text.splitlines() if line.startswith("tputune_log_followers "))
+    )
+
+
+def test_log_followers_hold_no_route_thread_and_are_let_go_at_once(
+    k8s_api: Callable[..., LiveApi], cluster: Cluster, fake_k8s: FakeKubernetes, dataset_uri: str
+) -> None:
+    """A followed log waits minutes between lines. Its reads run on threads of their own: with more
+    followers than route threads, the worker's reports and the other routes are still answered. Past
+    TPUTUNE_MAX_LOG_FOLLOWERS a follower is refused (429), and one whose client leaves is let go at once,
+    not when its log's next line comes."""
+    api = k8s_api(worker_threads=2, max_log_followers=3)
+    job_id = submit(api, dataset_uri)
+    running(api, cluster, job_id)
+    pod = process_zero(cluster, job_id)
+    fake_k8s.append_log(pod, NAMESPACE, "step 1")
+    with contextlib.ExitStack() as followers:
+        reading = []  # (a line iterator let go closes its response: kept until the end)
+        for _ in range(3):
+            http = followers.enter_context(httpx.Client(base_url=api.url, timeout=10))
+            stream = followers.enter_context(
+                http.stream("GET", f"/jobs/{job_id}/logs", params={"follow": "true", "tail": 1})
+            )
+            assert stream.status_code == 200
+            reading.append(stream.iter_lines())
+            assert next(reading[-1]) == "step 1"  # then it waits for the next line
+        assert _followers_gauge(api) == 3
+        with api.client() as http:
+            refused = http.get(f"/jobs/{job_id}/logs", params={"follow": "true"})
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["code"] == "too_many_log_followers"
+            assert refused.headers["retry-after"] == "10"
+            started = time.monotonic()
+            for path in ("/events", "/metrics", "/checkpoints", "/logs"):
+                assert http.get(f"/jobs/{job_id}{path}").status_code == 200, path
+            report = {"kind": "metrics", "step": 1, "loss": 2.0}
+            assert cluster.report(api.url, job_id, report).status_code == 200
+            assert time.monotonic() - started < 5.0
+    # The clients went away with no new line in their logs: their followers end now.
+    deadline = time.monotonic() + 5
+    while _followers_gauge(api) != 0:
+        assert time.monotonic() < deadline, "followers still held after their clients left"
+        time.sleep(0.05)
+    with httpx.stream(
+        "GET", f"{api.url}/jobs/{job_id}/logs", params={"follow": "true", "tail": 1}, timeout=10
+    ) as stream:
+        lines = stream.iter_lines()
+        assert next(lines) == "step 1"
+        fake_k8s.append_log(pod, NAMESPACE, "step 2")
+        assert next(lines) == "step 2"
