@@ -467,6 +467,35 @@ class JobListing:
         return rows[: self.limit], len(rows) > self.limit
 
 
+EVENT_COLUMNS = ("id", "created_at", "type", "level", "message", "step", "data")
+
+
+@dataclass(frozen=True)
+class EventPoll:
+    """One look for new events of a followed job (`GET /jobs/{id}/events?follow=true`; `api.reader`
+    runs it): the job's status, then its events after `after`, oldest first."""
+
+    job_id: str
+    after: int = 0
+    types: Sequence[str] = ()
+    limit: int = 500
+
+    def job_statement(self, tenant: str, mark: str) -> tuple[str, list[Any]]:
+        return f"SELECT seq, status FROM jobs WHERE id = {mark} AND tenant = {mark}", [self.job_id, tenant]
+
+    def events_statement(self, job_seq: int, columns: str, mark: str) -> tuple[str, list[Any]]:
+        """(Read after the status: an event stored before the job ended is seen before its end.)"""
+        where = f"job_seq = {mark} AND id > {mark}"
+        params: list[Any] = [job_seq, self.after]
+        if self.types:
+            where += f" AND type IN ({', '.join([mark] * len(self.types))})"
+            params += list(self.types)
+        return f"SELECT {columns} FROM job_events WHERE {where} ORDER BY id LIMIT {mark}", [
+            *params,
+            self.limit,
+        ]
+
+
 def list_events(
     session: Session, job: Job, *, after: int | None = None, limit: int = 100, types: Sequence[str] = ()
 ) -> tuple[list[JobEvent], bool]:

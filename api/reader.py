@@ -16,7 +16,9 @@ SQLite and 4,305 on PostgreSQL.
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
+from collections import namedtuple
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -25,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api import pg_async
 from api.errors import DatabaseUnavailable
-from api.jobs import JOB_COLUMNS, JobListing, JobRow
+from api.jobs import EVENT_COLUMNS, JOB_COLUMNS, EventPoll, JobListing, JobRow
 
 
 class JobReader(Protocol):
@@ -36,10 +38,16 @@ class JobReader(Protocol):
         """A page of the tenant's jobs (rows as `read_job` gives them, newest first) and whether more
         follow; ApiError invalid_cursor for an `after` that is not one of the tenant's jobs."""
 
+    async def poll_events(self, tenant: str, poll: EventPoll) -> tuple[str | None, list[Any]]:
+        """The job's status (None: no such job of the tenant's) and its new events, rows with
+        `api.jobs.EVENT_COLUMNS` as attributes (times as datetimes, `data` parsed)."""
+
     async def close(self) -> None: ...
 
 
 _COLUMNS = ", ".join(JOB_COLUMNS)
+_EVENT_COLUMNS = ", ".join(EVENT_COLUMNS)
+EventRow = namedtuple("EventRow", EVENT_COLUMNS)  # type: ignore[misc]
 _TIMES = [i for i, name in enumerate(JOB_COLUMNS) if name.endswith("_at")]
 
 
@@ -63,6 +71,25 @@ def _sqlite_list(execute: Any, tenant: str, listing: JobListing) -> tuple[list[A
     return listing.page([_sqlite_row(values) for values in rows], found)
 
 
+def _sqlite_poll(execute: Any, tenant: str, poll: EventPoll) -> tuple[str | None, list[Any]]:
+    """`poll` run with `execute(sql, params) -> rows` on a SQLite connection."""
+    try:
+        job = execute(*poll.job_statement(tenant, "?"))
+        if not job:
+            return None, []
+        seq, status = job[0]
+        rows = execute(*poll.events_statement(seq, _EVENT_COLUMNS, "?"))
+    except sqlite3.OperationalError as exc:
+        raise DatabaseUnavailable(str(exc)) from exc
+    events = [
+        EventRow._make(
+            (id, datetime.fromisoformat(created), kind, level, message, step, data and json.loads(data))
+        )
+        for id, created, kind, level, message, step, data in rows
+    ]
+    return status, events
+
+
 class InlineReader:
     """SQLite in memory: the reads through the engine (its one connection), on the event loop; the rows as
     SqliteReader gives them."""
@@ -79,6 +106,12 @@ class InlineReader:
         with self.engine.connect() as connection:
             return _sqlite_list(
                 lambda sql, params: connection.exec_driver_sql(sql, tuple(params)).all(), tenant, listing
+            )
+
+    async def poll_events(self, tenant: str, poll: EventPoll) -> tuple[str | None, list[Any]]:
+        with self.engine.connect() as connection:
+            return _sqlite_poll(
+                lambda sql, params: connection.exec_driver_sql(sql, tuple(params)).all(), tenant, poll
             )
 
     async def close(self) -> None:
@@ -118,24 +151,30 @@ class SqliteReader:
 
     async def list_jobs(self, tenant: str, listing: JobListing) -> tuple[list[Any], bool]:
         if listing.filtered:
-            return await run_in_threadpool(self._list_on_own_connection, tenant, listing)
-        try:
-            if self._connection is None:
-                self._connection = self._connect()
-        except sqlite3.OperationalError as exc:
-            raise DatabaseUnavailable(str(exc)) from exc
-        connection = self._connection
-        return _sqlite_list(lambda sql, params: connection.execute(sql, params).fetchall(), tenant, listing)
+            return await run_in_threadpool(self._on_own_connection, _sqlite_list, tenant, listing)
+        return _sqlite_list(self._execute_inline, tenant, listing)
 
-    def _list_on_own_connection(self, tenant: str, listing: JobListing) -> tuple[list[Any], bool]:
+    async def poll_events(self, tenant: str, poll: EventPoll) -> tuple[str | None, list[Any]]:
+        # Only some types: the events of the others after the cursor are read too (all of a long run's
+        # metrics, say), so off the loop, as a filtered list is.
+        if poll.types:
+            return await run_in_threadpool(self._on_own_connection, _sqlite_poll, tenant, poll)
+        return _sqlite_poll(self._execute_inline, tenant, poll)
+
+    def _execute_inline(self, sql: str, params: list[Any]) -> list[Any]:
+        """On the event loop, on the reader's connection (sqlite3.OperationalError if it cannot open)."""
+        if self._connection is None:
+            self._connection = self._connect()
+        return self._connection.execute(sql, params).fetchall()
+
+    def _on_own_connection(self, run: Any, *args: Any) -> Any:
+        """`run(execute, *args)` on a connection of its own (on a worker thread)."""
         try:
             connection = self._connect()
         except sqlite3.OperationalError as exc:
             raise DatabaseUnavailable(str(exc)) from exc
         try:
-            return _sqlite_list(
-                lambda sql, params: connection.execute(sql, params).fetchall(), tenant, listing
-            )
+            return run(lambda sql, params: connection.execute(sql, params).fetchall(), *args)
         finally:
             connection.close()
 
@@ -278,6 +317,16 @@ class PostgresReader:
             if not found:
                 found = bool(await self._execute(*listing.cursor_statement(tenant, "%s"), self.list_timeout))
         return listing.page(rows, found)
+
+    async def poll_events(self, tenant: str, poll: EventPoll) -> tuple[str | None, list[Any]]:
+        self._bind()
+        async with self._list_slots:
+            job = await self._execute(*poll.job_statement(tenant, "%s"), self.list_timeout)
+            if not job:
+                return None, []
+            seq, status = job[0]
+            events = await self._execute(*poll.events_statement(seq, _EVENT_COLUMNS, "%s"), self.list_timeout)
+        return status, events
 
     async def _read(self, job_ids: list[str]) -> list[Any]:
         return await self._execute(self.STATEMENT, [job_ids], self.statement_timeout)

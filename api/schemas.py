@@ -172,7 +172,8 @@ class EventPublic(BaseModel):
     data: dict[str, Any] | None
 
     @classmethod
-    def of(cls, event: JobEvent) -> EventPublic:
+    def of(cls, event: JobEvent | Any) -> EventPublic:
+        """`event`: a JobEvent, or a row with its columns (`api.jobs.EVENT_COLUMNS`, as api.reader reads)."""
         return cls(
             id=event.id or 0,
             created_at=as_utc(event.created_at),  # type: ignore[arg-type]

@@ -97,6 +97,50 @@ def test_database_restart_under_load(own_postgres: PostgresServer, tmp_path: Pat
     assert recovered and all(code in (200, 201) for code in recovered)
 
 
+def test_followed_events_wait_out_a_database_restart(
+    own_postgres: PostgresServer, tmp_path: Path, dataset: Path
+) -> None:
+    """A client following a job's events (the dashboard) keeps its stream while the database is away, and
+    gets the events stored once it is back."""
+    url = own_postgres.create_database("follow")
+    upgrade(url)
+    settings = Settings(
+        data_dir=tmp_path / "state",
+        database_url=url,
+        port=free_port(),
+        dispatcher_enabled=False,
+        allowed_data_roots=[dataset.parent],
+        allow_tiny_model=True,
+    )
+    api = LiveApi(settings)
+    api.start()
+    try:
+        with api.client() as http:
+            body = {"name": "a", "model": "tiny", "dataset_uri": str(dataset)}
+            job_id = http.post("/jobs", json=body).json()["id"]
+            with http.stream(
+                "GET", f"/jobs/{job_id}/events", params={"follow": "true"}, timeout=30
+            ) as stream:
+                lines = stream.iter_lines()
+                assert next(lines).startswith("id: ")  # the job's first event
+                own_postgres.stop("fast")
+                time.sleep(2.0)  # the stream polls meanwhile, and finds no database
+                own_postgres.start()
+                deadline = time.monotonic() + 15
+                while (cancel := http.post(f"/jobs/{job_id}/cancel")).status_code == 503:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+                assert cancel.status_code == 200, cancel.text
+                received = []
+                for line in lines:
+                    received.append(line)
+                    if line == "event: end":
+                        break
+        assert any(line.startswith("data: ") and '"cancelled"' in line for line in received), received
+    finally:
+        api.stop()
+
+
 @pytest.mark.postgres
 @pytest.mark.parametrize("idle_ping", [True, False])
 def test_pooled_connection_dropped_while_idle_is_pinged_and_replaced(

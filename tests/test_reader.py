@@ -4,6 +4,7 @@ PostgreSQL reader's own pool survives a dropped connection and a database that i
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -14,11 +15,11 @@ from sqlalchemy.pool import NullPool
 from sqlmodel import Session, col, select
 
 from api.errors import ApiError, DatabaseUnavailable
-from api.jobs import JobListing
+from api.jobs import EventPoll, JobListing
 from api.migrate import upgrade
 from api.models import Job
 from api.reader import InlineReader, PostgresReader, SqliteReader, make_reader
-from api.schemas import JobPage, JobPublic
+from api.schemas import EventPublic, JobPage, JobPublic
 from tests.support.postgres import PostgresServer
 from tests.test_progress import metrics, post, started_job
 
@@ -102,6 +103,34 @@ def test_get_and_list_answer_as_the_models_write_them(client: TestClient, datase
         assert asyncio.run(inline.read_job("default", job_id)) == asyncio.run(
             reader.read_job("default", job_id)
         )
+
+
+def test_followed_events_read_as_the_pages_show_them(client: TestClient, dataset: Path) -> None:
+    """A followed job's events are read on the event loop (api.reader.poll_events; on SQLite with a type
+    filter on a worker thread): the same events, in the same JSON, as the paged route reads through the
+    ORM, after any cursor and of any types; another tenant's job, or none, is no job."""
+    reader = client.app.state.job_reader  # type: ignore[attr-defined]
+    engine = client.app.state.engine  # type: ignore[attr-defined]
+    job_id, token = started_job(client, dataset)
+    post(
+        client,
+        job_id,
+        token,
+        [metrics(1, 2.9), metrics(2, 2.7), {"kind": "eval", "step": 2, "eval_loss": 2.8}],
+    )
+    post(client, job_id, token, [{"kind": "checkpoint", "step": 2, "uri": "/x/ckpt/2", "loss": 2.7}])
+    client.post(f"/jobs/{job_id}/cancel")
+    paged = client.get(f"/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
+    assert len(paged) >= 6 and {"status", "metrics", "eval", "checkpoint"} <= {e["type"] for e in paged}
+    readers = [reader] + ([InlineReader(engine)] if engine.dialect.name == "sqlite" else [])
+    for each in readers:
+        for after, types in [(0, []), (paged[2]["id"], []), (0, ["metrics", "checkpoint"]), (0, ["sample"])]:
+            status, rows = asyncio.run(each.poll_events("default", EventPoll(job_id, after, types)))
+            assert status == "cancelling"  # (until its worker stops)
+            expected = [e for e in paged if e["id"] > after and (not types or e["type"] in types)]
+            assert [json.loads(EventPublic.of(row).model_dump_json()) for row in rows] == expected
+        assert asyncio.run(each.poll_events("other", EventPoll(job_id))) == (None, [])
+        assert asyncio.run(each.poll_events("default", EventPoll("ft-nope"))) == (None, [])
 
 
 def test_sqlite_in_memory_reads_through_the_engine() -> None:

@@ -8,12 +8,10 @@ from typing import Annotated, Any
 
 import anyio
 from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
-from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
-from sqlmodel import Session
 
 from api import jobs as service
 from api.deps import (
@@ -25,7 +23,7 @@ from api.deps import (
     caller,
     json_response,
 )
-from api.errors import ApiError, json_body, not_found, read_json_body
+from api.errors import ApiError, DatabaseUnavailable, json_body, not_found, read_json_body
 from api.executors import FollowsLogs, LogStream
 from api.schemas import (
     EXAMPLE_JOB,
@@ -265,17 +263,20 @@ SSE_KEEPALIVE_SECONDS = 15.0
 async def _follow_events(
     request: Request, job_id: str, tenant: str, after: int, types: list[str]
 ) -> AsyncIterator[str]:
-    engine = request.app.state.engine
-
-    def poll(cursor: int) -> tuple[list[EventPublic], bool]:
-        with Session(engine) as session:
-            job = service.get_job(session, tenant, job_id)
-            rows, _ = service.list_events(session, job, after=cursor, limit=500, types=types)
-            return [EventPublic.of(e) for e in rows], is_final(job.status)
-
+    # Each look is two statements on the event loop (api.reader), without a thread or an ORM session: an
+    # idle follower cost ~1.1 ms of CPU twice a second through them (200 followers: 45% of a core).
+    reader = request.app.state.job_reader
     quiet = 0.0
     while not await request.is_disconnected():
-        events, final = await run_in_threadpool(poll, after)
+        try:
+            status, rows = await reader.poll_events(tenant, service.EventPoll(job_id, after, types))
+        except DatabaseUnavailable:
+            status, rows = "", []  # (the database is away: the stream waits for it, as for new events)
+        if status is None:  # no longer a job of the tenant's
+            yield "event: end\ndata: {}\n\n"
+            return
+        events = [EventPublic.of(row) for row in rows]
+        final = bool(status) and is_final(status)
         for event in events:
             after = event.id
             yield f"id: {event.id}\nevent: {event.type}\ndata: {event.model_dump_json()}\n\n"

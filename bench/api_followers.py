@@ -1,0 +1,131 @@
+"""What clients following a job's events cost the API while nothing happens (a dashboard left open).
+
+`--followers` clients follow `GET /jobs/{id}/events?follow=true` of one queued job (the dispatcher is
+off, so nothing changes): each stream looks for new events twice a second. After they are all in, the
+script measures for `--seconds` the CPU the API process (and PostgreSQL's, with `--database postgres`)
+uses, and how long a plain `GET /jobs/{id}/events` takes meanwhile. Last line: one JSON object.
+
+    .venv/bin/python bench/api_followers.py                         # 200 followers, SQLite
+    .venv/bin/python bench/api_followers.py --database postgres --followers 400
+    .venv/bin/python bench/api_followers.py --source /tmp/old       # another checkout's api/, to compare
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from api_load import ROOT, ApiServer, children, proc_cpu_seconds
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--followers", type=int, default=200, help="clients following the job's events (200)")
+    p.add_argument("--seconds", type=float, default=10.0, help="how long to measure once all follow (10)")
+    p.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
+    p.add_argument("--source", type=Path, default=ROOT, help="run the server from this checkout")
+    return p.parse_args(argv)
+
+
+async def follow(url: str, job_id: str, started: list[int]) -> None:
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=None) as http,
+        http.stream("GET", f"/jobs/{job_id}/events", params={"follow": "true"}) as response,
+    ):
+        lines = response.aiter_lines()
+        await lines.__anext__()  # the job's first event: the stream is up
+        started.append(1)
+        async for _ in lines:
+            pass
+
+
+async def measure(args: argparse.Namespace, server: ApiServer, postmaster: int | None) -> dict[str, Any]:
+    dataset = server.data_dir / "train.txt"
+    dataset.write_text("Once upon a time.\n")
+    body = {"name": "followed", "model": "gemma3-270m-pt", "dataset_uri": str(dataset)}
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        created = await http.post("/jobs", json=body)
+        created.raise_for_status()
+        job_id = created.json()["id"]
+    started: list[int] = []
+    tasks = [asyncio.create_task(follow(server.url, job_id, started)) for _ in range(args.followers)]
+    try:
+        deadline = time.monotonic() + 60
+        while len(started) < args.followers:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {len(started)} of {args.followers} followers got their stream")
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(2.0)
+
+        def cpu() -> tuple[float, float]:
+            pg = 0.0
+            if postmaster is not None:
+                pg = proc_cpu_seconds(postmaster, reaped_children=True) + sum(
+                    proc_cpu_seconds(p) for p in children(postmaster, zombies=True)
+                )
+            return proc_cpu_seconds(server.pid), pg
+
+        (api0, pg0), t0 = cpu(), time.monotonic()
+        await asyncio.sleep(args.seconds)
+        (api1, pg1), t1 = cpu(), time.monotonic()
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            took = []
+            for _ in range(20):
+                begun = time.perf_counter()
+                (await http.get(f"/jobs/{job_id}/events")).raise_for_status()
+                took.append(time.perf_counter() - begun)
+        took.sort()
+        return {
+            "followers": args.followers,
+            "api_cpu_pct": round(100 * (api1 - api0) / (t1 - t0), 1),
+            "postgres_cpu_pct": round(100 * (pg1 - pg0) / (t1 - t0), 1) if postmaster is not None else None,
+            "get_events_p50_ms": round(1000 * took[len(took) // 2], 2),
+        }
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="tputune-followers-") as tmp:
+        pg = None
+        postmaster = None
+        database_url = None
+        if args.database == "postgres":
+            from tests.support.postgres import PostgresServer, find_pg_bindir
+
+            pg = PostgresServer(find_pg_bindir(), database="tputune_bench")
+            pg.start()
+            database_url = pg.url
+            postmaster = int((pg.data_dir / "postmaster.pid").read_text().split()[0])
+        server = ApiServer(Path(tmp), database_url, args.source, env={"TPUTUNE_DISPATCHER_ENABLED": "false"})
+        try:
+            server.start()
+            result = asyncio.run(measure(args, server, postmaster))
+        finally:
+            server.stop()
+            if pg is not None:
+                pg.close()
+    pg_part = f", PostgreSQL {result['postgres_cpu_pct']}%" if postmaster is not None else ""
+    print(
+        f"{args.followers} idle followers ({args.database}, api/ of {args.source}): API process "
+        f"{result['api_cpu_pct']}% of a core{pg_part}; GET /jobs/{{id}}/events p50 "
+        f"{result['get_events_p50_ms']} ms meanwhile"
+    )
+    print(json.dumps({"benchmark": "api_followers", "database": args.database, **result}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
