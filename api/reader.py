@@ -103,16 +103,15 @@ class InlineReader:
         return None if values is None else _sqlite_row(tuple(values))
 
     async def list_jobs(self, tenant: str, listing: JobListing) -> tuple[list[Any], bool]:
-        with self.engine.connect() as connection:
-            return _sqlite_list(
-                lambda sql, params: connection.exec_driver_sql(sql, tuple(params)).all(), tenant, listing
-            )
+        return self._run(_sqlite_list, tenant, listing)
 
     async def poll_events(self, tenant: str, poll: EventPoll) -> tuple[str | None, list[Any]]:
+        return self._run(_sqlite_poll, tenant, poll)
+
+    def _run(self, run: Any, *args: Any) -> Any:
+        """`run(execute, *args)` on one of the engine's connections."""
         with self.engine.connect() as connection:
-            return _sqlite_poll(
-                lambda sql, params: connection.exec_driver_sql(sql, tuple(params)).all(), tenant, poll
-            )
+            return run(lambda sql, params: connection.exec_driver_sql(sql, tuple(params)).all(), *args)
 
     async def close(self) -> None:
         pass
@@ -196,8 +195,9 @@ class PostgresReader:
     waited `slow_seconds` behind a statement that is taking long, so one slow statement does not hold up
     every read.
 
-    Pages of `GET /jobs` are a statement each, up to `list_size` in flight (more wait their turn), with a
-    longer time limit (`list_timeout`): a filtered page may read many rows. Rows come as `read_job` gives
+    Pages of `GET /jobs` and followers' looks for new events are a statement or two each, up to
+    `list_size` in flight (more wait their turn), with a longer time limit (`list_timeout`): a filtered
+    page may read many rows. Rows come as `read_job` gives
     them, with the spec as its JSON text (validated once per job and process, `job_spec`).
 
     A pooled connection the server dropped (a restart) fails its statement: it is tried once more on a
@@ -205,7 +205,7 @@ class PostgresReader:
     connect timeout (`DatabaseUnavailable`, a 503) and does not hang: the statement has a time limit too.
     """
 
-    COLUMNS = _COLUMNS.replace("spec", "spec::text AS spec", 1) + ", tenant"
+    COLUMNS = ", ".join([*("spec::text AS spec" if c == "spec" else c for c in JOB_COLUMNS), "tenant"])
     STATEMENT = f"SELECT {COLUMNS} FROM jobs WHERE id = ANY(%s)"
 
     def __init__(

@@ -29,8 +29,9 @@ from tests.support.serve import serve, wait_up
 pytestmark = pytest.mark.slow
 
 
-def test_database_restart_under_load(own_postgres: PostgresServer, tmp_path: Path, dataset: Path) -> None:
-    url = own_postgres.create_database("faults")
+def _api_on_own_database(own_postgres: PostgresServer, name: str, tmp_path: Path, dataset: Path) -> LiveApi:
+    """The API started on a new, migrated database of `own_postgres` (which the test may stop and start)."""
+    url = own_postgres.create_database(name)
     upgrade(url)
     settings = Settings(
         data_dir=tmp_path / "state",
@@ -42,6 +43,11 @@ def test_database_restart_under_load(own_postgres: PostgresServer, tmp_path: Pat
     )
     api = LiveApi(settings)
     api.start()
+    return api
+
+
+def test_database_restart_under_load(own_postgres: PostgresServer, tmp_path: Path, dataset: Path) -> None:
+    api = _api_on_own_database(own_postgres, "faults", tmp_path, dataset)
     with api.client() as http:
         job_id = http.post("/jobs", json={"name": "a", "model": "tiny", "dataset_uri": str(dataset)}).json()[
             "id"
@@ -102,18 +108,7 @@ def test_followed_events_wait_out_a_database_restart(
 ) -> None:
     """A client following a job's events (the dashboard) keeps its stream while the database is away, and
     gets the events stored once it is back."""
-    url = own_postgres.create_database("follow")
-    upgrade(url)
-    settings = Settings(
-        data_dir=tmp_path / "state",
-        database_url=url,
-        port=free_port(),
-        dispatcher_enabled=False,
-        allowed_data_roots=[dataset.parent],
-        allow_tiny_model=True,
-    )
-    api = LiveApi(settings)
-    api.start()
+    api = _api_on_own_database(own_postgres, "follow", tmp_path, dataset)
     try:
         with api.client() as http:
             body = {"name": "a", "model": "tiny", "dataset_uri": str(dataset)}
