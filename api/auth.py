@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Protocol
 
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from api.errors import ApiError
 from api.models import ApiKey
@@ -106,6 +106,15 @@ class Authenticator:
         if cached[1] is None:
             raise unauthorized(UNKNOWN_KEY)
         return cached[1]
+
+    def valid_key_ids(self, key_ids: set[str]) -> set[str]:
+        """Which of these API keys are not revoked (from the database, not the cache)."""
+        with Session(self.engine) as session:
+            return set(
+                session.exec(
+                    select(ApiKey.id).where(col(ApiKey.id).in_(key_ids), col(ApiKey.revoked_at).is_(None))
+                )
+            )
 
     def forget(self) -> None:
         with self._lock:

@@ -119,7 +119,9 @@ class Client:
         return self._request("DELETE", f"/admin/keys/{key_id}")
 
     def follow_events(self, job_id: str, after: int | None = None) -> Iterator[dict[str, Any]]:
-        """Events as they happen (Server-Sent Events), until the job ends; reconnects and resumes."""
+        """Events as they happen (Server-Sent Events), until the job ends; reconnects and resumes, also
+        after a 429 (the server or this key follows as many streams as it may) or 503, when Retry-After
+        says. ApiError when the server closes the stream (the key was revoked)."""
         last_id = after
         while True:
             headers = {"Last-Event-ID": str(last_id)} if last_id is not None else {}
@@ -127,12 +129,19 @@ class Client:
                 with self._http.stream(
                     "GET", f"/jobs/{job_id}/events", params={"follow": "true"}, headers=headers, timeout=None
                 ) as response:
+                    if response.status_code in (429, 503):
+                        response.read()
+                        time.sleep(_retry_after(response))
+                        continue
                     if response.status_code >= 400:
                         response.read()
                         raise _error_of(response)
                     for event_type, data, event_id in _sse(response.iter_lines()):
                         if event_type == "end":
                             return
+                        if event_type == "closed":
+                            closed = json.loads(data)
+                            raise ApiError(401, closed["code"], closed["message"])
                         if event_id is not None:
                             last_id = event_id
                         yield json.loads(data)
@@ -148,6 +157,12 @@ class Client:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} still {job['status']} after {timeout}s")
             time.sleep(poll_seconds)
+
+
+def _retry_after(response: httpx.Response, longest: float = 60.0) -> float:
+    """The seconds a 429 or 503 asks to wait (1 if it does not say), at most `longest`."""
+    value = response.headers.get("retry-after", "")
+    return min(float(value), longest) if value.isdigit() else 1.0
 
 
 def _error_of(response: httpx.Response) -> ApiError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,6 +24,7 @@ from api.observability import Metrics, RequestContext, RequestLoad
 from api.reader import make_reader
 from api.routes import dashboard, health, jobs, keys
 from api.settings import Settings
+from api.streams import EVENTS, LOGS, Streams
 from api.writer import make_writer
 
 DESCRIPTION = """Fine-tune Gemma 3 with JAX: on a GKE TPU slice as a JobSet, or as local worker processes.
@@ -121,6 +123,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
             dispatcher = wakes = make_dispatcher(engine, executor, settings, metrics, api_busy=load.busy)
     job_writer = make_writer(engine, on_commit=wakes.wake if wakes is not None else None)
     buckets = SharedBuckets(settings.data_dir / BUCKETS_FILE) if worker else LocalBuckets()
+    streams = Streams(settings, {EVENTS: metrics.event_followers, LOGS: metrics.log_followers})
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -129,9 +132,16 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.worker_threads
         if dispatcher is not None:
             dispatcher.start()
+        auth: Authenticator = app.state.auth
+
+        async def valid_keys(key_ids: set[str]) -> set[str]:
+            return await anyio.to_thread.run_sync(auth.valid_key_ids, key_ids)
+
+        watch = asyncio.create_task(streams.watch(valid_keys))
         try:
             yield
         finally:
+            watch.cancel()
             await job_writer.aclose()
             if dispatcher is not None:
                 dispatcher.stop()
@@ -163,7 +173,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
     app.state.leader = dispatcher.leader if isinstance(dispatcher, Dispatcher) else None
     app.state.auth = Authenticator(engine, settings, buckets)
     app.state.metrics = metrics
-    app.state.log_followers = jobs.LogFollowers(settings.max_log_followers, metrics.log_followers)
+    app.state.streams = streams
     errors.install(app)
     app.include_router(health.router)
     app.include_router(jobs.router)

@@ -64,6 +64,12 @@ class Metrics:
             registry=own,
             multiprocess_mode="livesum",
         )
+        self.event_followers = Gauge(
+            "tputune_event_followers",
+            "Job event streams followed now (GET /jobs/{id}/events?follow=true)",
+            registry=own,
+            multiprocess_mode="livesum",
+        )
         self.launches: Counter | None = None
         self.last_pass: Gauge | None = None
         if dispatcher_stats is not None:

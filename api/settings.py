@@ -108,6 +108,27 @@ class Settings(BaseSettings):
         description="Job logs followed at once (`GET /jobs/{id}/logs?follow=true`, kubernetes executor), per "
         "API process; each holds a thread of its own and a connection to the Kubernetes API. More get 429.",
     )
+    max_event_followers: int = Field(
+        default=1000,
+        ge=0,
+        le=100_000,
+        description="Job event streams followed at once (`GET /jobs/{id}/events?follow=true`, the "
+        "dashboard's job page), per API process; each looks for new events twice a second. More get 429.",
+    )
+    max_streams_per_key: int = Field(
+        default=64,
+        ge=1,
+        le=100_000,
+        description="Streams (followed events and logs) one API key holds at once, per API process; more get "
+        "429. Not for the admin key.",
+    )
+    stream_recheck_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        description="How often followed streams' keys are checked again: a stream of a key revoked "
+        "meanwhile ends (at once in the API process that revoked it).",
+    )
     tenant_max_active_jobs: int | None = Field(
         default=None, ge=1, description="Jobs of one tenant running at once; more wait queued."
     )

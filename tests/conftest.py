@@ -91,6 +91,7 @@ class LiveApi:
         self.settings = settings
         self.server: uvicorn.Server | None = None
         self.thread: threading.Thread | None = None
+        self.headers: dict[str, str] = {}  # (what client() sends: e.g. an API key)
 
     @property
     def url(self) -> str:
@@ -118,7 +119,7 @@ class LiveApi:
         self.start()
 
     def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=10)
+        return httpx.Client(base_url=self.url, timeout=10, headers=self.headers)
 
     def wait_for(self, job_id: str, predicate: Callable[[dict], bool], timeout: float = 30) -> dict:
         deadline = time.monotonic() + timeout

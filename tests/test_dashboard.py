@@ -433,3 +433,44 @@ def test_sign_in_when_keys_are_required(
     expect(form).to_be_visible()  # the cookie is gone: the next call asks for a key again
     expect(page.locator("#session")).to_have_count(0)
     assert not [c for c in page.context.cookies() if c["name"] == COOKIE_NAME]
+
+
+def test_a_refused_stream_is_followed_again(
+    live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    """The browser gives up on a stream answered 429 (or 503, or a restarting server): the page follows
+    again from the last event it saw, and shows what it waits for meanwhile."""
+    api = live_api(dispatcher_enabled=False, max_event_followers=1)
+    job_id, token = started(api, dataset, "resumes")
+    report(api, job_id, token, [{"kind": "checkpoint", "step": 1, "uri": "/out/ckpt/1"}])
+    with httpx.stream(  # the server's only place, taken
+        "GET", f"{api.url}/jobs/{job_id}/events", params={"follow": "true"}, timeout=10
+    ) as held:
+        assert held.status_code == 200
+        page = open_tab(api, f"/ui/jobs/{job_id}").page
+        expect(page.locator("#live")).to_have_text(re.compile(r"^Disconnected; following again in \d+ s\.$"))
+        expect(page.locator("#checkpoints tbody tr")).to_have_count(1)  # (read from the paged routes)
+    expect(page.locator("#live")).to_have_text("● Live", timeout=20_000)
+    report(api, job_id, token, [{"kind": "checkpoint", "step": 2, "uri": "/out/ckpt/2"}])
+    expect(page.locator("#checkpoints tbody tr")).to_have_count(2)
+    expect(page.locator('#events li[data-type="checkpoint"]')).to_have_count(2)  # (the first not twice)
+
+
+def test_a_revoked_keys_stream_stops_and_asks_to_sign_in(
+    live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    api = live_api(dispatcher_enabled=False, admin_key=ADMIN)
+    api.headers = {"Authorization": f"Bearer {ADMIN}"}
+    job_id = create(api, dataset, "revoked")
+    with api.client() as http:
+        created = http.post("/admin/keys", json={"tenant": DEFAULT_TENANT, "name": "browser"}).json()
+    page = open_tab(api, f"/ui/jobs/{job_id}").page
+    page.get_by_label("API key").fill(created["key"])
+    page.get_by_role("button", name="Sign in").click()
+    expect(page.locator("#live")).to_have_text("● Live")
+    with api.client() as http:
+        assert http.delete(f"/admin/keys/{created['id']}").status_code == 200
+    expect(page.locator("#live")).to_have_text(
+        "Live updates stopped: The API key of this stream was revoked; sign in with a new one."
+    )
+    expect(page.locator("#signin")).to_be_visible()

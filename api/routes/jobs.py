@@ -9,7 +9,6 @@ from typing import Annotated, Any
 import anyio
 from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
@@ -18,6 +17,7 @@ from api.deps import (
     API_KEY_REQUIRED,
     DispatcherDep,
     ExecutorDep,
+    PrincipalDep,
     SessionDep,
     TenantDep,
     caller,
@@ -41,6 +41,7 @@ from api.schemas import (
     error_responses,
 )
 from api.states import JobStatus, is_final
+from api.streams import EVENTS, LOGS, Followed, Stream, Streams
 from worker.protocol import ProgressAck, ProgressBatch
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], responses=error_responses(401, 413, 422, 429, 503))
@@ -216,7 +217,7 @@ def list_events(
     job_id: str,
     request: Request,
     session: SessionDep,
-    tenant: TenantDep,
+    principal: PrincipalDep,
     after: Annotated[int | None, Query(ge=0, description="An event id: return the events after it.")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     type: Annotated[
@@ -232,17 +233,24 @@ def list_events(
     ] = False,
     last_event_id: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> Response:
-    """Oldest first: status changes, metrics points, checkpoints, samples, restarts, warnings, errors."""
-    job = service.get_job(session, tenant, job_id)
+    """Oldest first: status changes, metrics points, checkpoints, samples, restarts, warnings, errors.
+
+    Followed, the stream ends with an `end` event when the job has ended, or a `closed` event (`code`,
+    `message`) when the server stops it (the API key was revoked)."""
+    job = service.get_job(session, principal.tenant, job_id)
     if follow:
         start = after
         if last_event_id and last_event_id.isdigit():
             start = int(last_event_id)
+        streams: Streams = request.app.state.streams
+        stream = streams.admit(EVENTS, principal)
         # The stream reads through sessions of its own: the request's would hold a pooled connection for
         # as long as the client follows (hours, for a dashboard page left open).
         session.close()
-        return StreamingResponse(
-            _follow_events(request, job.id, tenant, start or 0, type or []),
+        return Followed(
+            _follow_events(request, stream, job.id, start or 0, type or []),
+            streams,
+            stream,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -258,16 +266,24 @@ def list_events(
 
 SSE_POLL_SECONDS = 0.5
 SSE_KEEPALIVE_SECONDS = 15.0
+KEY_REVOKED = {
+    "code": "key_revoked",
+    "message": "The API key of this stream was revoked; sign in with a new one.",
+}
 
 
 async def _follow_events(
-    request: Request, job_id: str, tenant: str, after: int, types: list[str]
+    request: Request, stream: Stream, job_id: str, after: int, types: list[str]
 ) -> AsyncIterator[str]:
     # Each look is two statements on the event loop (api.reader), without a thread or an ORM session: an
     # idle follower cost ~1.1 ms of CPU twice a second through them (200 followers: 45% of a core).
     reader = request.app.state.job_reader
+    tenant = stream.principal.tenant
     quiet = 0.0
     while not await request.is_disconnected():
+        if stream.ended:
+            yield f"event: closed\ndata: {json.dumps(KEY_REVOKED)}\n\n"
+            return
         try:
             status, rows = await reader.poll_events(tenant, service.EventPoll(job_id, after, types))
         except DatabaseUnavailable:
@@ -341,7 +357,7 @@ def job_logs(
     job_id: str,
     request: Request,
     session: SessionDep,
-    tenant: TenantDep,
+    principal: PrincipalDep,
     executor: ExecutorDep,
     tail: Annotated[int, Query(ge=1, le=10_000)] = 200,
     follow: Annotated[
@@ -351,7 +367,7 @@ def job_logs(
 ) -> Response:
     """JAX process 0's log: the last `tail` lines, or with `follow=true` those and then new ones as they
     come (kubernetes executor; the stream ends when the pod does, e.g. at a restart: follow again)."""
-    job = service.get_job(session, tenant, job_id)
+    job = service.get_job(session, principal.tenant, job_id)
     if follow:
         if not isinstance(executor, FollowsLogs):
             raise ApiError(
@@ -361,65 +377,53 @@ def job_logs(
                 "poll GET /jobs/{id}/logs instead.",
                 param="follow",
             )
-        followers: LogFollowers = request.app.state.log_followers
-        followers.check()
+        streams: Streams = request.app.state.streams
+        stream = streams.admit(LOGS, principal)
         session.close()  # (not held while the client follows: see list_events)
         try:
-            stream = executor.follow_logs(job, tail)
-        except LookupError as exc:
-            raise ApiError(409, "logs_not_ready", str(exc)) from None
-        return StreamingResponse(followers.relay(stream), media_type="text/plain; charset=utf-8")
+            log = executor.follow_logs(job, tail)
+        except BaseException as exc:
+            streams.release(stream)
+            if isinstance(exc, LookupError):
+                raise ApiError(409, "logs_not_ready", str(exc)) from None
+            raise
+        stream.on_end = log.interrupt  # (its key revoked: the read blocked in it returns)
+        if stream.ended:  # (revoked in between)
+            log.interrupt()
+        return Followed(
+            _relay_log(log, stream, streams.log_threads),
+            streams,
+            stream,
+            media_type="text/plain; charset=utf-8",
+        )
     lines, truncated = executor.logs(job, tail) if job.launched_at is not None else ([], False)
     return json_response(LogsResponse(job_id=job.id, lines=lines, truncated=truncated))
 
 
-class LogFollowers:
-    """The logs followed through this process (`GET /jobs/{id}/logs?follow=true`).
-
-    Reading a followed log blocks until its next line, which may be minutes away. Each is read on a thread
-    of its own, not on the routes' (`worker_threads`): there, a few followers held every thread, and the
-    other sync routes, workers' progress reports among them, waited for one. When the client goes away the
-    stream is interrupted at once (its blocked read returns), not at its next line. At most `limit` at once;
-    more are refused (429), not left waiting."""
-
-    def __init__(self, limit: int, gauge: Any = None) -> None:
-        self.limit = limit
-        self.active = 0  # (changed on the event loop only)
-        self.gauge = gauge
-        self._threads = anyio.CapacityLimiter(max(1, limit))
-
-    def check(self) -> None:
-        if self.active >= self.limit:
-            raise ApiError(
-                429,
-                "too_many_log_followers",
-                f"This server follows {self.active} job logs now, the most it allows "
-                "(TPUTUNE_MAX_LOG_FOLLOWERS); poll GET /jobs/{id}/logs instead, or follow again later.",
-                param="follow",
-                headers={"Retry-After": "10"},
-            )
-
-    async def relay(self, stream: LogStream) -> AsyncIterator[str]:
-        lines = iter(stream)
-        self._count(1)
-        try:
-            while True:
+async def _relay_log(log: LogStream, stream: Stream, threads: anyio.CapacityLimiter) -> AsyncIterator[str]:
+    """A followed log's lines. Reading one blocks until it comes, minutes away maybe: each log is read on a
+    thread of its own (`threads`, one per log follower allowed), not on the routes' (`worker_threads`):
+    there, a few followers held every thread, and the other sync routes, workers' progress reports among
+    them, waited for one. When the client goes away (or its key is revoked) the read is interrupted at
+    once, not at the log's next line."""
+    lines = iter(log)
+    try:
+        while True:
+            try:
                 # abandon_on_cancel: a client that went away is let go now; the interrupt below ends the
                 # read its thread is blocked in.
                 line = await anyio.to_thread.run_sync(
-                    next, lines, None, abandon_on_cancel=True, limiter=self._threads
+                    next, lines, None, abandon_on_cancel=True, limiter=threads
                 )
-                if line is None:
+            except Exception:
+                if stream.ended:
                     return
-                yield f"{line}\n"
-        finally:
-            stream.interrupt()
-            self._count(-1)
-
-    def _count(self, change: int) -> None:
-        self.active += change
-        if self.gauge is not None:
-            self.gauge.inc(change)
+                raise
+            if line is None or stream.ended:
+                return
+            yield f"{line}\n"
+    finally:
+        log.interrupt()
 
 
 @router.post(

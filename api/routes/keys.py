@@ -94,6 +94,7 @@ def revoke_key(key_id: str, request: Request, session: SessionDep, _admin: Admin
         session.add(row)
         session.commit()
     request.app.state.auth.forget()
+    request.app.state.streams.end_keys({row.id})  # (the other API processes': at their next recheck)
     return json_response(KeyPublic.of(row))
 
 

@@ -175,17 +175,27 @@ async function loadMetrics() {
 }
 
 // Metrics events after `after` may repeat points loaded from /metrics; the chart keeps one per step.
+// A stream the browser gives up on (the server restarted, or answered 429 or 503) is followed again from
+// the last event seen, after 2 s, then twice as long each time, up to a minute.
+const RESUME_FIRST_MS = 2000;
+const RESUME_MAX_MS = 60000;
+let lastEventId = 0;
+let resumeMs = RESUME_FIRST_MS;
+
 function follow(after) {
+  lastEventId = after;
   const live = $("live");
   const source = new EventSource(`${base}/events?follow=true&after=${after}`);
   source.addEventListener("open", () => {
     live.textContent = "● Live";
+    resumeMs = RESUME_FIRST_MS;
   });
   for (const type of [...TIMELINE_TYPES, "metrics"]) {
     source.addEventListener(type, (message) => {
       // The connection's own failures are also "error" events, but not MessageEvents.
       if (!(message instanceof MessageEvent)) return;
       const event = JSON.parse(message.data);
+      lastEventId = event.id;
       handleEvent(event);
       if (event.type === "status" && event.data?.status) setStatus(event.data.status);
       refreshSoon();
@@ -196,11 +206,37 @@ function follow(after) {
     live.textContent = "Job finished; no more updates.";
     loadJob().catch(showLoadError);
   });
+  // The server stopped the stream (the key was revoked): following again would be refused too.
+  source.addEventListener("closed", (message) => {
+    source.close();
+    live.textContent = `Live updates stopped: ${JSON.parse(message.data).message}`;
+    loadJob().catch(showLoadError);
+  });
   source.addEventListener("error", (event) => {
     if (event instanceof MessageEvent) return;
-    live.textContent =
-      source.readyState === EventSource.CLOSED ? "Disconnected; reload to resume." : "Reconnecting…";
+    if (source.readyState !== EventSource.CLOSED) {
+      live.textContent = "Reconnecting…";
+      return;
+    }
+    const wait = resumeMs;
+    resumeMs = Math.min(resumeMs * 2, RESUME_MAX_MS);
+    live.textContent = `Disconnected; following again in ${Math.round(wait / 1000)} s.`;
+    setTimeout(resume, wait);
   });
+}
+
+// Re-read the job first: a key no longer valid shows the sign-in form, and a failure waits longer.
+async function resume() {
+  try {
+    await loadJob();
+  } catch (error) {
+    const wait = resumeMs;
+    resumeMs = Math.min(resumeMs * 2, RESUME_MAX_MS);
+    $("live").textContent = `${error.message} Trying again in ${Math.round(wait / 1000)} s.`;
+    setTimeout(resume, wait);
+    return;
+  }
+  follow(lastEventId);
 }
 
 function showLoadError(error) {

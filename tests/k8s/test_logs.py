@@ -136,3 +136,34 @@ def test_log_followers_hold_no_route_thread_and_are_let_go_at_once(
         assert next(lines) == "step 1"
         fake_k8s.append_log(pod, NAMESPACE, "step 2")
         assert next(lines) == "step 2"
+
+
+def test_a_revoked_keys_log_follower_ends_at_once(
+    k8s_api: Callable[..., LiveApi], cluster: Cluster, fake_k8s: FakeKubernetes, dataset_uri: str
+) -> None:
+    """A followed log waits minutes for its next line; the key that opened it, revoked meanwhile, ends it
+    now (its blocked read is interrupted), not at that line."""
+    admin = "admin-secret-0123456789"
+    api = k8s_api(admin_key=admin)
+    api.headers = {"Authorization": f"Bearer {admin}"}
+    job_id = submit(api, dataset_uri)
+    running(api, cluster, job_id)
+    fake_k8s.append_log(process_zero(cluster, job_id), NAMESPACE, "step 1")
+    with api.client() as http:
+        key = http.post("/admin/keys", json={"tenant": "default", "name": "logs"}).json()
+    with httpx.stream(
+        "GET",
+        f"{api.url}/jobs/{job_id}/logs",
+        params={"follow": "true", "tail": 1},
+        headers={"Authorization": f"Bearer {key['key']}"},
+        timeout=10,
+    ) as stream:
+        lines = stream.iter_lines()
+        assert next(lines) == "step 1"
+        assert _followers_gauge(api) == 1
+        started = time.monotonic()
+        with api.client() as http:
+            assert http.delete(f"/admin/keys/{key['id']}").status_code == 200
+        assert next(lines, None) is None
+        assert time.monotonic() - started < 2.0
+    assert _followers_gauge(api) == 0

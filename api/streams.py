@@ -1,0 +1,183 @@
+"""The long-lived responses of an API process: followed events (Server-Sent Events) and followed logs.
+
+A follower holds a socket for as long as its client follows (hours, for a dashboard page left open) and
+costs the process all along: an events follower looks for new events twice a second, a logs follower holds
+a thread and a connection to the Kubernetes API. A request's key is checked once, when it starts. So:
+
+- one API key follows at most `max_streams_per_key` at once (the bootstrap admin key and the keyless
+  single-user mode only the totals): one client that opens streams in a loop cannot take them all;
+- at most `max_event_followers` and `max_log_followers` in all: more are refused with 429 and
+  `Retry-After`, not left waiting;
+- a stream whose key is revoked meanwhile ends within `stream_recheck_seconds` (`Streams.watch`): one
+  query for all the keys that follow, not one per stream.
+
+Counted per API process (`tputune serve --workers N` allows N times as many).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from api.auth import Principal
+from api.errors import ApiError
+from api.settings import Settings
+
+log = logging.getLogger("api.streams")
+
+EVENTS = "events"
+LOGS = "logs"
+RETRY_AFTER_SECONDS = 10
+# Keys whose streams are capped and rechecked: not the admin key from the environment (revoked by changing
+# it, which restarts the server) nor the keyless single-user mode.
+_UNCHECKED_KEYS = ("admin", "anonymous")
+
+
+@dataclass(eq=False)
+class Stream:
+    """One follower. `ended` once its key was revoked: the stream then stops (`on_end` interrupts a read
+    that blocks until its next line)."""
+
+    kind: str
+    principal: Principal
+    ended: bool = False
+    on_end: Callable[[], None] | None = field(default=None, repr=False)
+
+    def end(self) -> None:
+        self.ended = True
+        if self.on_end is not None:
+            self.on_end()
+
+
+class Streams:
+    """This process's followers: admitted under the caps, let go when their response ends, ended when their
+    key is revoked. Admitted on route threads, released and watched on the event loop (hence the lock)."""
+
+    def __init__(self, settings: Settings, gauges: dict[str, Any] | None = None) -> None:
+        self.per_key = settings.max_streams_per_key
+        self.caps = {EVENTS: settings.max_event_followers, LOGS: settings.max_log_followers}
+        self.recheck_seconds = settings.stream_recheck_seconds
+        self.gauges = gauges or {}
+        self.log_threads = anyio.CapacityLimiter(max(1, self.caps[LOGS]))  # (a followed log's reads)
+        self._lock = threading.Lock()
+        self._open: set[Stream] = set()
+        self._kinds: Counter[str] = Counter()
+        self._keys: Counter[str] = Counter()
+
+    def count(self, kind: str) -> int:
+        with self._lock:
+            return self._kinds[kind]
+
+    def admit(self, kind: str, principal: Principal) -> Stream:
+        """A new follower, counted until `release`; ApiError 429 over a cap."""
+        key = principal.key_id
+        with self._lock:
+            if self._kinds[kind] >= self.caps[kind]:
+                raise _refused(kind, self._kinds[kind])
+            if key not in _UNCHECKED_KEYS and self._keys[key] >= self.per_key:
+                raise ApiError(
+                    429,
+                    "too_many_streams",
+                    f"This API key follows {self._keys[key]} streams (job events or logs) now, the most one "
+                    "key may (TPUTUNE_MAX_STREAMS_PER_KEY); close one, or poll instead of following.",
+                    param="follow",
+                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+                )
+            stream = Stream(kind, principal)
+            self._open.add(stream)
+            self._kinds[kind] += 1
+            self._keys[key] += 1
+        self._gauge(kind, 1)
+        return stream
+
+    def release(self, stream: Stream) -> None:
+        with self._lock:
+            if stream not in self._open:
+                return
+            self._open.remove(stream)
+            self._kinds[stream.kind] -= 1
+            self._keys[stream.principal.key_id] -= 1
+            if not self._keys[stream.principal.key_id]:
+                del self._keys[stream.principal.key_id]
+        self._gauge(stream.kind, -1)
+
+    async def watch(self, valid_keys: Callable[[set[str]], Awaitable[set[str]]]) -> None:
+        """Until cancelled: every `recheck_seconds`, end the streams of keys no longer valid. A failed check
+        (the database away) ends nothing; the next one tries again."""
+        while True:
+            await asyncio.sleep(self.recheck_seconds)
+            try:
+                await self.recheck(valid_keys)
+            except Exception as error:  # (logged; the watch goes on)
+                log.warning("could not recheck the keys of followed streams: %s", error)
+
+    async def recheck(self, valid_keys: Callable[[set[str]], Awaitable[set[str]]]) -> int:
+        """End the streams whose key was revoked; how many."""
+        with self._lock:
+            keys = {key for key in self._keys if key not in _UNCHECKED_KEYS}
+        if not keys:
+            return 0
+        return self.end_keys(keys - await valid_keys(keys))
+
+    def end_keys(self, key_ids: set[str]) -> int:
+        """End the streams of these keys (revoked); how many."""
+        if not key_ids:
+            return 0
+        with self._lock:
+            ending = [s for s in self._open if s.principal.key_id in key_ids and not s.ended]
+        for stream in ending:
+            stream.end()
+        if ending:
+            log.info("ended %d followed streams of revoked keys %s", len(ending), sorted(key_ids))
+        return len(ending)
+
+    def _gauge(self, kind: str, change: int) -> None:
+        gauge = self.gauges.get(kind)
+        if gauge is not None:
+            gauge.inc(change)
+
+
+def _refused(kind: str, active: int) -> ApiError:
+    if kind == LOGS:
+        return ApiError(
+            429,
+            "too_many_log_followers",
+            f"This server follows {active} job logs now, the most it allows (TPUTUNE_MAX_LOG_FOLLOWERS); "
+            "poll GET /jobs/{id}/logs instead, or follow again later.",
+            param="follow",
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        )
+    return ApiError(
+        429,
+        "too_many_event_followers",
+        f"This server follows {active} job event streams now, the most it allows "
+        "(TPUTUNE_MAX_EVENT_FOLLOWERS); page GET /jobs/{id}/events with `after` instead, or follow again "
+        "later.",
+        param="follow",
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+    )
+
+
+class Followed(StreamingResponse):
+    """A follower's response: its Stream is released when the response ends, however it ends (the client
+    left, the stream ended, an error)."""
+
+    def __init__(self, content: Any, streams: Streams, stream: Stream, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.streams = streams
+        self.stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.streams.release(self.stream)

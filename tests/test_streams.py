@@ -1,0 +1,198 @@
+"""Followed streams (`GET /jobs/{id}/events?follow=true`) against the real API on both databases: one key's
+share and the server's cap, and the streams of a revoked key ending (api.streams)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+from sqlalchemy import update
+
+from api.client import ApiError, Client
+from api.models import ApiKey
+from tests.conftest import LiveApi
+
+ADMIN = "admin-secret-0123456789"
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def make_key(api: LiveApi, tenant: str) -> tuple[str, str]:
+    """(key id, plaintext)"""
+    with api.client() as http:
+        created = http.post("/admin/keys", json={"tenant": tenant, "name": "k"}, headers=bearer(ADMIN))
+    assert created.status_code == 201, created.text
+    return created.json()["id"], created.json()["key"]
+
+
+def create_job(api: LiveApi, key: str, dataset: Path) -> str:
+    with api.client() as http:
+        created = http.post(
+            "/jobs", json={"name": "f", "model": "tiny", "dataset_uri": str(dataset)}, headers=bearer(key)
+        )
+    assert created.status_code == 201, created.text
+    return str(created.json()["id"])
+
+
+def gauge(api: LiveApi, name: str) -> float:
+    with api.client() as http:
+        text = http.get("/metrics").text
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(f"{name} ")))
+
+
+def wait_gauge(api: LiveApi, name: str, value: float, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while gauge(api, name) != value:
+        assert time.monotonic() < deadline, f"{name} is {gauge(api, name)}, not {value}"
+        time.sleep(0.05)
+
+
+class Follower:
+    """One followed event stream, its lines read as they come (kept open until closed)."""
+
+    def __init__(self, stack: contextlib.ExitStack, api: LiveApi, key: str, job_id: str) -> None:
+        self._stack = contextlib.ExitStack()
+        stack.callback(self.close)
+        http = self._stack.enter_context(httpx.Client(base_url=api.url, timeout=10, headers=bearer(key)))
+        self.response = self._stack.enter_context(
+            http.stream("GET", f"/jobs/{job_id}/events", params={"follow": "true"})
+        )
+        self.lines: Iterator[str] = self.response.iter_lines()
+
+    def next_event(self) -> tuple[str, str]:
+        """The next event's (type, data), past comments."""
+        kind = ""
+        for line in self.lines:
+            if line.startswith("event: "):
+                kind = line.removeprefix("event: ")
+            elif line.startswith("data: ") and kind:
+                return kind, line.removeprefix("data: ")
+        raise AssertionError("the stream ended")
+
+    def until(self, kind: str) -> str:
+        while True:
+            seen, data = self.next_event()
+            if seen == kind:
+                return data
+
+    def ended(self) -> bool:
+        """Whether the stream ends with nothing more (it is read to its end)."""
+        return all(not line for line in self.lines)
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def refused(api: LiveApi, key: str, job_id: str) -> httpx.Response:
+    with api.client() as http:
+        return http.get(f"/jobs/{job_id}/events", params={"follow": "true"}, headers=bearer(key))
+
+
+def test_a_key_follows_at_most_its_share_and_the_server_at_most_its_cap(
+    live_api: Callable[..., LiveApi], dataset: Path
+) -> None:
+    api = live_api(dispatcher_enabled=False, admin_key=ADMIN, max_streams_per_key=2, max_event_followers=3)
+    _, first = make_key(api, "team")
+    _, second = make_key(api, "team")
+    job_id = create_job(api, first, dataset)
+    with contextlib.ExitStack() as stack:
+        held = [Follower(stack, api, first, job_id) for _ in range(2)]
+        for follower in held:
+            assert follower.response.status_code == 200 and follower.until("status")
+        over_share = refused(api, first, job_id)
+        assert over_share.status_code == 429, over_share.text
+        assert over_share.json()["error"]["code"] == "too_many_streams"
+        assert over_share.headers["retry-after"] == "10"
+        # Another key still follows: the share is the key's, not the tenant's or the server's.
+        Follower(stack, api, second, job_id).until("status")
+        assert gauge(api, "tputune_event_followers") == 3
+        over_cap = refused(api, second, job_id)
+        assert over_cap.status_code == 429 and over_cap.json()["error"]["code"] == "too_many_event_followers"
+        # The paged route is not a stream, and not capped.
+        with api.client() as http:
+            assert http.get(f"/jobs/{job_id}/events", headers=bearer(first)).status_code == 200
+        # A follower that leaves gives its place back.
+        held[0].close()
+        wait_gauge(api, "tputune_event_followers", 2)
+        Follower(stack, api, first, job_id).until("status")
+    wait_gauge(api, "tputune_event_followers", 0)
+
+
+def test_the_streams_of_a_revoked_key_end(live_api: Callable[..., LiveApi], dataset: Path) -> None:
+    """A key is checked when a request starts; a stream lasts hours. Revoked through this process, its
+    streams end at once; revoked elsewhere (another API process, straight in the database), at the next
+    recheck. Streams of the keys still valid go on."""
+    api = live_api(dispatcher_enabled=False, admin_key=ADMIN, stream_recheck_seconds=0.3)
+    here_id, here = make_key(api, "team")
+    elsewhere_id, elsewhere = make_key(api, "team")
+    _, valid = make_key(api, "team")
+    job_id = create_job(api, valid, dataset)
+    with contextlib.ExitStack() as stack:
+        followers = {key: Follower(stack, api, key, job_id) for key in (here, elsewhere, valid)}
+        for follower in followers.values():
+            follower.until("status")  # (the job's first event; then the stream waits)
+
+        started = time.monotonic()
+        with api.client() as http:
+            assert http.delete(f"/admin/keys/{here_id}", headers=bearer(ADMIN)).status_code == 200
+        closed = followers[here].until("closed")
+        assert '"code": "key_revoked"' in closed and followers[here].ended()
+        assert time.monotonic() - started < 2.0
+
+        engine = api.server.config.app.state.engine  # type: ignore[union-attr]
+        with engine.begin() as connection:
+            connection.execute(
+                update(ApiKey).where(ApiKey.id == elsewhere_id).values(revoked_at=datetime.now(UTC))  # type: ignore[arg-type]
+            )
+        assert '"key_revoked"' in followers[elsewhere].until("closed") and followers[elsewhere].ended()
+        wait_gauge(api, "tputune_event_followers", 1)
+        # The valid key's stream lived through those rechecks, and still hears the job.
+        with api.client() as http:
+            assert http.post(f"/jobs/{job_id}/cancel", headers=bearer(valid)).status_code == 200
+        assert '"cancelled"' in followers[valid].until("status")
+        assert followers[valid].until("end") == "{}"
+    wait_gauge(api, "tputune_event_followers", 0)
+
+
+def test_the_client_waits_for_a_place_and_stops_when_its_key_is_revoked(
+    live_api: Callable[..., LiveApi], dataset: Path
+) -> None:
+    """`tputune events --follow` (api.client.follow_events) waits out a 429 as its Retry-After says, then
+    follows; a revoked key ends it with the server's reason, not a resume loop."""
+    api = live_api(dispatcher_enabled=False, admin_key=ADMIN, max_event_followers=1)
+    key_id, key = make_key(api, "team")
+    job_id = create_job(api, key, dataset)
+    seen: list[dict] = []
+    raised: list[ApiError] = []
+
+    def follow() -> None:
+        with Client(api.url, api_key=key) as client:
+            try:
+                seen.extend(client.follow_events(job_id))
+            except ApiError as error:
+                raised.append(error)
+
+    with contextlib.ExitStack() as stack:
+        holder = Follower(stack, api, key, job_id)  # the server's only place
+        holder.until("status")
+        thread = threading.Thread(target=follow, daemon=True)
+        thread.start()
+        time.sleep(1.0)
+        assert not seen and thread.is_alive()  # refused (429), waiting
+        holder.close()
+        deadline = time.monotonic() + 15  # (Retry-After: 10)
+        while not seen:
+            assert time.monotonic() < deadline, "the client did not follow after the place was free"
+            time.sleep(0.1)
+    assert seen[0]["type"] == "status" and not raised
+    with api.client() as http:
+        assert http.delete(f"/admin/keys/{key_id}", headers=bearer(ADMIN)).status_code == 200
+    thread.join(timeout=5)
+    assert not thread.is_alive() and raised and raised[0].code == "key_revoked"
