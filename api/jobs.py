@@ -496,6 +496,22 @@ class EventPoll:
         ]
 
 
+EventHead = namedtuple("EventHead", ["tenant", "status", "last_event"])
+
+
+def event_heads_statement(job_ids: Sequence[str], mark: str, any_of: bool) -> tuple[str, list[Any]]:
+    """Of each job: its tenant, its status and its newest event's id (0 if none), one index lookup each,
+    for all followed jobs at once (api.streams.EventWatch). `any_of`: PostgreSQL's `= ANY(array)`."""
+    where = f"= ANY({mark})" if any_of else f"IN ({', '.join([mark] * len(job_ids))})"
+    params: list[Any] = [list(job_ids)] if any_of else list(job_ids)
+    return (
+        "SELECT j.id, j.tenant, j.status, "
+        "COALESCE((SELECT max(e.id) FROM job_events e WHERE e.job_seq = j.seq), 0) "
+        f"FROM jobs j WHERE j.id {where}",
+        params,
+    )
+
+
 def list_events(
     session: Session, job: Job, *, after: int | None = None, limit: int = 100, types: Sequence[str] = ()
 ) -> tuple[list[JobEvent], bool]:

@@ -24,7 +24,7 @@ from api.observability import Metrics, RequestContext, RequestLoad
 from api.reader import make_reader
 from api.routes import dashboard, health, jobs, keys
 from api.settings import Settings
-from api.streams import EVENTS, LOGS, Streams
+from api.streams import EVENTS, LOGS, EventWatch, Streams
 from api.writer import make_writer
 
 DESCRIPTION = """Fine-tune Gemma 3 with JAX: on a GKE TPU slice as a JobSet, or as local worker processes.
@@ -174,6 +174,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
     app.state.auth = Authenticator(engine, settings, buckets)
     app.state.metrics = metrics
     app.state.streams = streams
+    app.state.event_watch = EventWatch(job_reader)
     errors.install(app)
     app.include_router(health.router)
     app.include_router(jobs.router)

@@ -27,7 +27,15 @@ from starlette.concurrency import run_in_threadpool
 
 from api import pg_async
 from api.errors import DatabaseUnavailable
-from api.jobs import EVENT_COLUMNS, JOB_COLUMNS, EventPoll, JobListing, JobRow
+from api.jobs import (
+    EVENT_COLUMNS,
+    JOB_COLUMNS,
+    EventHead,
+    EventPoll,
+    JobListing,
+    JobRow,
+    event_heads_statement,
+)
 
 
 class JobReader(Protocol):
@@ -41,6 +49,9 @@ class JobReader(Protocol):
     async def poll_events(self, tenant: str, poll: EventPoll) -> tuple[str | None, list[Any]]:
         """The job's status (None: no such job of the tenant's) and its new events, rows with
         `api.jobs.EVENT_COLUMNS` as attributes (times as datetimes, `data` parsed)."""
+
+    async def event_heads(self, job_ids: list[str]) -> dict[str, Any]:
+        """Of each of these jobs that exists: an `api.jobs.EventHead` (tenant, status, newest event id)."""
 
     async def close(self) -> None: ...
 
@@ -90,6 +101,23 @@ def _sqlite_poll(execute: Any, tenant: str, poll: EventPoll) -> tuple[str | None
     return status, events
 
 
+_HEADS_CHUNK = 500  # (job ids per SQLite statement: under its limit on bound parameters)
+
+
+def _sqlite_heads(execute: Any, job_ids: list[str]) -> dict[str, Any]:
+    """`event_heads` run with `execute(sql, params) -> rows` on a SQLite connection."""
+    heads = {}
+    try:
+        for start in range(0, len(job_ids), _HEADS_CHUNK):
+            for job_id, *head in execute(
+                *event_heads_statement(job_ids[start : start + _HEADS_CHUNK], "?", False)
+            ):
+                heads[job_id] = EventHead._make(head)
+    except sqlite3.OperationalError as exc:
+        raise DatabaseUnavailable(str(exc)) from exc
+    return heads
+
+
 class InlineReader:
     """SQLite in memory: the reads through the engine (its one connection), on the event loop; the rows as
     SqliteReader gives them."""
@@ -107,6 +135,9 @@ class InlineReader:
 
     async def poll_events(self, tenant: str, poll: EventPoll) -> tuple[str | None, list[Any]]:
         return self._run(_sqlite_poll, tenant, poll)
+
+    async def event_heads(self, job_ids: list[str]) -> dict[str, Any]:
+        return self._run(_sqlite_heads, job_ids)
 
     def _run(self, run: Any, *args: Any) -> Any:
         """`run(execute, *args)` on one of the engine's connections."""
@@ -159,6 +190,10 @@ class SqliteReader:
         if poll.types:
             return await run_in_threadpool(self._on_own_connection, _sqlite_poll, tenant, poll)
         return _sqlite_poll(self._execute_inline, tenant, poll)
+
+    async def event_heads(self, job_ids: list[str]) -> dict[str, Any]:
+        # On the loop: an index lookup per job (a millisecond for a thousand).
+        return _sqlite_heads(self._execute_inline, job_ids)
 
     def _execute_inline(self, sql: str, params: list[Any]) -> list[Any]:
         """On the event loop, on the reader's connection (sqlite3.OperationalError if it cannot open)."""
@@ -327,6 +362,12 @@ class PostgresReader:
             seq, status = job[0]
             events = await self._execute(*poll.events_statement(seq, _EVENT_COLUMNS, "%s"), self.list_timeout)
         return status, events
+
+    async def event_heads(self, job_ids: list[str]) -> dict[str, Any]:
+        self._bind()
+        async with self._list_slots:
+            rows = await self._execute(*event_heads_statement(job_ids, "%s", True), self.list_timeout)
+        return {job_id: EventHead(tenant, status, last) for job_id, tenant, status, last in rows}
 
     async def _read(self, job_ids: list[str]) -> list[Any]:
         return await self._execute(self.STATEMENT, [job_ids], self.statement_timeout)

@@ -113,7 +113,8 @@ class Settings(BaseSettings):
         ge=0,
         le=100_000,
         description="Job event streams followed at once (`GET /jobs/{id}/events?follow=true`, the "
-        "dashboard's job page), per API process; each looks for new events twice a second. More get 429.",
+        "dashboard's job page), per API process; each holds a socket, and reads when its job changes. "
+        "More get 429.",
     )
     max_streams_per_key: int = Field(
         default=64,

@@ -1,8 +1,9 @@
 """The long-lived responses of an API process: followed events (Server-Sent Events) and followed logs.
 
 A follower holds a socket for as long as its client follows (hours, for a dashboard page left open) and
-costs the process all along: an events follower looks for new events twice a second, a logs follower holds
-a thread and a connection to the Kubernetes API. A request's key is checked once, when it starts. So:
+costs the process all along: an events follower a socket and a read each time its job changes (the
+process looks for all of them at once, `EventWatch`), a logs follower a thread and a connection to the
+Kubernetes API. A request's key is checked once, when it starts. So:
 
 - one API key follows at most `max_streams_per_key` at once (the bootstrap admin key and the keyless
   single-user mode only the totals): one client that opens streams in a loop cannot take them all;
@@ -29,7 +30,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from api.auth import Principal
-from api.errors import ApiError
+from api.errors import ApiError, DatabaseUnavailable
 from api.settings import Settings
 
 log = logging.getLogger("api.streams")
@@ -144,6 +145,73 @@ class Streams:
         gauge = self.gauges.get(kind)
         if gauge is not None:
             gauge.inc(change)
+
+
+@dataclass(eq=False)
+class _Waiter:
+    stream: Stream
+    job_id: str
+    status: str
+    seen: int
+    woken: asyncio.Future[int]
+
+
+class EventWatch:
+    """Whether anything happened to the jobs this process's event streams follow, for all of them at once:
+    every `interval`, one statement (api.reader.event_heads: each job's status and newest event id) while
+    any follower waits. A follower then reads its new events only when its job has some, or a new status.
+
+    Each follower used to look for itself, two statements twice a second: 1,000 idle followers of 1,000
+    jobs took 72% of the API process's core and 57% of PostgreSQL's, now 2.9% and 0.8%; on SQLite 17.6%,
+    now 2.5% (bench/api_followers.py --followers 1000 --jobs 1000)."""
+
+    def __init__(self, reader: Any, interval: float = 0.5) -> None:
+        self.reader = reader
+        self.interval = interval
+        self._waiters: set[_Waiter] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    async def wait(self, stream: Stream, job_id: str, status: str, seen: int, timeout: float) -> int | None:
+        """Until the job has an event newer than `seen` or a status other than `status` (or is not the
+        follower's any more), or the stream ended: the job's newest event id then. None after `timeout`."""
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(stream, job_id, status, seen, loop.create_future())
+        self._waiters.add(waiter)
+        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
+            self._task = loop.create_task(self._run())
+        try:
+            async with asyncio.timeout(timeout):
+                return await waiter.woken
+        except TimeoutError:
+            return None
+        finally:
+            self._waiters.discard(waiter)
+
+    async def _run(self) -> None:
+        while self._waiters:
+            await asyncio.sleep(self.interval)
+            waiters = [w for w in self._waiters if not w.woken.done()]
+            for waiter in waiters:
+                if waiter.stream.ended:
+                    waiter.woken.set_result(waiter.seen)
+            waiters = [w for w in waiters if not w.woken.done()]
+            if not waiters:
+                continue
+            try:
+                heads = await self.reader.event_heads(sorted({w.job_id for w in waiters}))
+            except DatabaseUnavailable:
+                continue  # (the followers wait for the database as for new events)
+            except Exception:
+                log.exception("could not look for new events of followed jobs")
+                continue
+            for waiter in waiters:
+                head = heads.get(waiter.job_id)
+                if waiter.woken.done():
+                    continue
+                if head is None or head.tenant != waiter.stream.principal.tenant:
+                    waiter.woken.set_result(waiter.seen)  # (its next read finds the job gone)
+                elif head.status != waiter.status or head.last_event > waiter.seen:
+                    waiter.woken.set_result(head.last_event)
 
 
 def _refused(kind: str, active: int) -> ApiError:

@@ -1,12 +1,13 @@
 """What clients following a job's events cost the API while nothing happens (a dashboard left open).
 
-`--followers` clients follow `GET /jobs/{id}/events?follow=true` of one queued job (the dispatcher is
-off, so nothing changes): each stream looks for new events twice a second. After they are all in, the
+`--followers` clients follow `GET /jobs/{id}/events?follow=true` of `--jobs` queued jobs (the dispatcher
+is off, so nothing changes); the API looks for new events of the followed jobs twice a second (each
+stream for itself before api.streams.EventWatch, one statement for all since). After they are all in, the
 script measures for `--seconds` the CPU the API process (and PostgreSQL's, with `--database postgres`)
 uses, and how long a plain `GET /jobs/{id}/events` takes meanwhile. Last line: one JSON object.
 
     .venv/bin/python bench/api_followers.py                         # 200 followers, SQLite
-    .venv/bin/python bench/api_followers.py --database postgres --followers 400
+    .venv/bin/python bench/api_followers.py --database postgres --followers 1000 --jobs 1000
     .venv/bin/python bench/api_followers.py --source /tmp/old       # another checkout's api/, to compare
 """
 
@@ -30,17 +31,22 @@ from api_load import ROOT, ApiServer, children, proc_cpu_seconds
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--followers", type=int, default=200, help="clients following the job's events (200)")
+    p.add_argument("--jobs", type=int, default=1, help="jobs the followers follow, round robin (1)")
     p.add_argument("--seconds", type=float, default=10.0, help="how long to measure once all follow (10)")
     p.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
     p.add_argument("--source", type=Path, default=ROOT, help="run the server from this checkout")
     return p.parse_args(argv)
 
 
-async def follow(url: str, job_id: str, started: list[int]) -> None:
+async def follow(url: str, job_id: str, started: list[int], refused: list[int]) -> None:
     async with (
         httpx.AsyncClient(base_url=url, timeout=None) as http,
         http.stream("GET", f"/jobs/{job_id}/events", params={"follow": "true"}) as response,
     ):
+        if response.status_code != 200:  # (429 past TPUTUNE_MAX_EVENT_FOLLOWERS)
+            refused.append(response.status_code)
+            started.append(0)
+            return
         lines = response.aiter_lines()
         await lines.__anext__()  # the job's first event: the stream is up
         started.append(1)
@@ -52,12 +58,19 @@ async def measure(args: argparse.Namespace, server: ApiServer, postmaster: int |
     dataset = server.data_dir / "train.txt"
     dataset.write_text("Once upon a time.\n")
     body = {"name": "followed", "model": "gemma3-270m-pt", "dataset_uri": str(dataset)}
+    job_ids = []
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
-        created = await http.post("/jobs", json=body)
-        created.raise_for_status()
-        job_id = created.json()["id"]
+        for _ in range(args.jobs):
+            created = await http.post("/jobs", json=body)
+            created.raise_for_status()
+            job_ids.append(created.json()["id"])
+    job_id = job_ids[0]
     started: list[int] = []
-    tasks = [asyncio.create_task(follow(server.url, job_id, started)) for _ in range(args.followers)]
+    refused: list[int] = []
+    tasks = [
+        asyncio.create_task(follow(server.url, job_ids[i % args.jobs], started, refused))
+        for i in range(args.followers)
+    ]
     try:
         deadline = time.monotonic() + 60
         while len(started) < args.followers:
@@ -85,7 +98,9 @@ async def measure(args: argparse.Namespace, server: ApiServer, postmaster: int |
                 took.append(time.perf_counter() - begun)
         took.sort()
         return {
-            "followers": args.followers,
+            "followers": args.followers - len(refused),
+            "jobs": args.jobs,
+            "refused": len(refused),
             "api_cpu_pct": round(100 * (api1 - api0) / (t1 - t0), 1),
             "postgres_cpu_pct": round(100 * (pg1 - pg0) / (t1 - t0), 1) if postmaster is not None else None,
             "get_events_p50_ms": round(1000 * took[len(took) // 2], 2),
@@ -118,10 +133,11 @@ def main(argv: list[str] | None = None) -> int:
             if pg is not None:
                 pg.close()
     pg_part = f", PostgreSQL {result['postgres_cpu_pct']}%" if postmaster is not None else ""
+    refused = f" ({result['refused']} more refused)" if result["refused"] else ""
     print(
-        f"{args.followers} idle followers ({args.database}, api/ of {args.source}): API process "
-        f"{result['api_cpu_pct']}% of a core{pg_part}; GET /jobs/{{id}}/events p50 "
-        f"{result['get_events_p50_ms']} ms meanwhile"
+        f"{result['followers']} idle followers{refused} of {args.jobs} jobs ({args.database}, api/ of "
+        f"{args.source}): API process {result['api_cpu_pct']}% of a core{pg_part}; "
+        f"GET /jobs/{{id}}/events p50 {result['get_events_p50_ms']} ms meanwhile"
     )
     print(json.dumps({"benchmark": "api_followers", "database": args.database, **result}))
     return 0

@@ -133,6 +133,41 @@ def test_followed_events_read_as_the_pages_show_them(client: TestClient, dataset
         assert asyncio.run(each.poll_events("default", EventPoll("ft-nope"))) == (None, [])
 
 
+def test_event_heads_are_each_jobs_tenant_status_and_newest_event(
+    client: TestClient, dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the process's EventWatch asks each tick for all followed jobs at once: the newest event id
+    of each (and its tenant and status), as the paged route sees them; jobs that do not exist are left
+    out. On SQLite in chunks of ids (two here), one statement on PostgreSQL."""
+    monkeypatch.setattr("api.reader._HEADS_CHUNK", 2)
+    reader = client.app.state.job_reader  # type: ignore[attr-defined]
+    engine = client.app.state.engine  # type: ignore[attr-defined]
+    running, token = started_job(client, dataset)
+    post(client, running, token, [metrics(1, 2.9), metrics(2, 2.7)])
+    queued = client.post("/jobs", json={"name": "q", "model": "tiny", "dataset_uri": str(dataset)}).json()[
+        "id"
+    ]
+    cancelled = client.post("/jobs", json={"name": "c", "model": "tiny", "dataset_uri": str(dataset)}).json()
+    client.post(f"/jobs/{cancelled['id']}/cancel")
+    ids = [running, queued, cancelled["id"]]
+
+    def newest(job_id: str) -> int:
+        return max(
+            e["id"] for e in client.get(f"/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
+        )
+
+    expected = {
+        job_id: ("default", client.get(f"/jobs/{job_id}").json()["status"], newest(job_id)) for job_id in ids
+    }
+    assert [status for _, status, _ in expected.values()] == ["running", "queued", "cancelled"]
+    readers = [reader] + ([InlineReader(engine)] if engine.dialect.name == "sqlite" else [])
+    for each in readers:
+        heads = asyncio.run(each.event_heads([*ids, "ft-nope", "ft-nope2"]))
+        assert {job_id: tuple(head) for job_id, head in heads.items()} == expected
+        assert heads[running].last_event == expected[running][2]
+        assert asyncio.run(each.event_heads([])) == {}
+
+
 def test_sqlite_in_memory_reads_through_the_engine() -> None:
     engine = sa.create_engine("sqlite://")
     assert isinstance(make_reader(engine), InlineReader)

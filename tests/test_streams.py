@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import httpx
 from sqlalchemy import update
@@ -20,8 +21,8 @@ from tests.conftest import LiveApi
 ADMIN = "admin-secret-0123456789"
 
 
-def bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
+def bearer(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def make_key(api: LiveApi, tenant: str) -> tuple[str, str]:
@@ -32,7 +33,7 @@ def make_key(api: LiveApi, tenant: str) -> tuple[str, str]:
     return created.json()["id"], created.json()["key"]
 
 
-def create_job(api: LiveApi, key: str, dataset: Path) -> str:
+def create_job(api: LiveApi, key: str | None, dataset: Path) -> str:
     with api.client() as http:
         created = http.post(
             "/jobs", json={"name": "f", "model": "tiny", "dataset_uri": str(dataset)}, headers=bearer(key)
@@ -57,7 +58,7 @@ def wait_gauge(api: LiveApi, name: str, value: float, timeout: float = 5.0) -> N
 class Follower:
     """One followed event stream, its lines read as they come (kept open until closed)."""
 
-    def __init__(self, stack: contextlib.ExitStack, api: LiveApi, key: str, job_id: str) -> None:
+    def __init__(self, stack: contextlib.ExitStack, api: LiveApi, key: str | None, job_id: str) -> None:
         self._stack = contextlib.ExitStack()
         stack.callback(self.close)
         http = self._stack.enter_context(httpx.Client(base_url=api.url, timeout=10, headers=bearer(key)))
@@ -196,3 +197,43 @@ def test_the_client_waits_for_a_place_and_stops_when_its_key_is_revoked(
         assert http.delete(f"/admin/keys/{key_id}", headers=bearer(ADMIN)).status_code == 200
     thread.join(timeout=5)
     assert not thread.is_alive() and raised and raised[0].code == "key_revoked"
+
+
+def test_idle_followers_share_one_look_for_new_events(
+    live_api: Callable[..., LiveApi], dataset: Path
+) -> None:
+    """While nothing happens, a follower reads nothing: the process looks for new events of all followed
+    jobs in one statement a tick (EventWatch), and only the followers of a job that changed read its
+    events (each looked for itself before, two statements twice a second)."""
+    api = live_api(dispatcher_enabled=False)
+    reader = api.server.config.app.state.job_reader  # type: ignore[union-attr]
+    polled: list[str] = []
+    looked: list[list[str]] = []
+    poll_events, event_heads = reader.poll_events, reader.event_heads
+
+    async def counted_poll(tenant: str, poll: Any) -> Any:
+        polled.append(poll.job_id)
+        return await poll_events(tenant, poll)
+
+    async def counted_heads(job_ids: list[str]) -> Any:
+        looked.append(job_ids)
+        return await event_heads(job_ids)
+
+    reader.poll_events, reader.event_heads = counted_poll, counted_heads
+    job_ids = [create_job(api, None, dataset) for _ in range(4)]
+    with contextlib.ExitStack() as stack:
+        followers = {job_id: [Follower(stack, api, None, job_id) for _ in range(3)] for job_id in job_ids}
+        for each in followers.values():
+            for follower in each:
+                follower.until("status")
+        time.sleep(1.0)  # (each follower's second read, which finds nothing new, is done)
+        polled.clear(), looked.clear()
+        time.sleep(2.0)
+        assert polled == []
+        assert 2 <= len(looked) <= 6 and all(sorted(ids) == sorted(job_ids) for ids in looked), looked
+        with api.client() as http:
+            assert http.post(f"/jobs/{job_ids[0]}/cancel").status_code == 200
+        for follower in followers[job_ids[0]]:
+            assert '"cancelled"' in follower.until("status") and follower.until("end") == "{}"
+        time.sleep(0.6)
+        assert set(polled) == {job_ids[0]}  # the other jobs' followers still read nothing
