@@ -163,13 +163,50 @@ class EventWatch:
 
     Each follower used to look for itself, two statements twice a second: 1,000 idle followers of 1,000
     jobs took 72% of the API process's core and 57% of PostgreSQL's, now 2.9% and 0.8%; on SQLite 17.6%,
-    now 2.5% (bench/api_followers.py --followers 1000 --jobs 1000)."""
+    now 2.5% (bench/api_followers.py --followers 1000 --jobs 1000).
+
+    The followers of one job, woken together, read its new events together too (`read`): the same read
+    (job, cursor, types) asked for again in the same tick is answered by the first, its events rendered
+    once."""
 
     def __init__(self, reader: Any, interval: float = 0.5) -> None:
         self.reader = reader
         self.interval = interval
         self._waiters: set[_Waiter] = set()
         self._task: asyncio.Task[None] | None = None
+        self._tick = 0
+        # (tenant, job id, after, types) -> (tick, when, the read)
+        self._reads: dict[tuple[Any, ...], tuple[int, float, asyncio.Task[Any]]] = {}
+
+    async def read(
+        self, tenant: str, poll: Any, render: Callable[[Any], str]
+    ) -> tuple[str | None, list[tuple[int, str]]]:
+        """`reader.poll_events(tenant, poll)`, each event as (id, `render(row)`); shared with the followers
+        that ask for the same in this tick. A read made before this tick's look (or `interval` ago) is not
+        shared: it may predate what the look saw, which woke the follower."""
+        loop = asyncio.get_running_loop()
+        key = (tenant, poll.job_id, poll.after, tuple(poll.types))
+        entry = self._reads.get(key)
+        if (
+            entry is None
+            or entry[0] != self._tick
+            or loop.time() - entry[1] >= self.interval
+            or entry[2].get_loop() is not loop
+        ):
+            if len(self._reads) > _MAX_READS:
+                self._reads.clear()
+            task = loop.create_task(self._read(tenant, poll, render))
+            task.add_done_callback(_retrieve)
+            entry = (self._tick, loop.time(), task)
+            self._reads[key] = entry
+        # shield: a follower that goes away does not cancel the read the others wait for.
+        return await asyncio.shield(entry[2])
+
+    async def _read(
+        self, tenant: str, poll: Any, render: Callable[[Any], str]
+    ) -> tuple[str | None, list[tuple[int, str]]]:
+        status, rows = await self.reader.poll_events(tenant, poll)
+        return status, [(row.id, render(row)) for row in rows]
 
     async def wait(self, stream: Stream, job_id: str, status: str, seen: int, timeout: float) -> int | None:
         """Until the job has an event newer than `seen` or a status other than `status` (or is not the
@@ -204,6 +241,8 @@ class EventWatch:
             except Exception:
                 log.exception("could not look for new events of followed jobs")
                 continue
+            self._tick += 1  # (reads from before the look are not shared with the followers it wakes)
+            self._reads.clear()
             for waiter in waiters:
                 head = heads.get(waiter.job_id)
                 if waiter.woken.done():
@@ -212,6 +251,16 @@ class EventWatch:
                     waiter.woken.set_result(waiter.seen)  # (its next read finds the job gone)
                 elif head.status != waiter.status or head.last_event > waiter.seen:
                     waiter.woken.set_result(head.last_event)
+
+
+_MAX_READS = 10_000  # shared reads remembered at most (between two looks)
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """(A shared read's error is its followers'; retrieved here too, so that one no follower waited for
+    any more is not logged as never retrieved.)"""
+    if not task.cancelled():
+        task.exception()
 
 
 def _refused(kind: str, active: int) -> ApiError:

@@ -35,10 +35,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=10.0, help="how long to measure once all follow (10)")
     p.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
     p.add_argument("--source", type=Path, default=ROOT, help="run the server from this checkout")
+    p.add_argument(
+        "--active",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the jobs run (a fake worker, tests/fake_worker.py) and report a step every SECONDS",
+    )
     return p.parse_args(argv)
 
 
-async def follow(url: str, job_id: str, started: list[int], refused: list[int]) -> None:
+async def follow(url: str, job_id: str, started: list[int], refused: list[int], events: list[int]) -> None:
     async with (
         httpx.AsyncClient(base_url=url, timeout=None) as http,
         http.stream("GET", f"/jobs/{job_id}/events", params={"follow": "true"}) as response,
@@ -50,25 +57,36 @@ async def follow(url: str, job_id: str, started: list[int], refused: list[int]) 
         lines = response.aiter_lines()
         await lines.__anext__()  # the job's first event: the stream is up
         started.append(1)
-        async for _ in lines:
-            pass
+        async for line in lines:
+            if line.startswith("id: "):
+                events.append(1)
 
 
 async def measure(args: argparse.Namespace, server: ApiServer, postmaster: int | None) -> dict[str, Any]:
     dataset = server.data_dir / "train.txt"
     dataset.write_text("Once upon a time.\n")
-    body = {"name": "followed", "model": "gemma3-270m-pt", "dataset_uri": str(dataset)}
+    body: dict[str, Any] = {"name": "followed", "model": "gemma3-270m-pt", "dataset_uri": str(dataset)}
+    if args.active:
+        body["metadata"] = {"fake": "succeed", "steps": "100000000", "interval": str(args.active)}
     job_ids = []
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
         for _ in range(args.jobs):
             created = await http.post("/jobs", json=body)
             created.raise_for_status()
             job_ids.append(created.json()["id"])
+        while args.active:  # until they all run
+            statuses = [(await http.get(f"/jobs/{job_id}")).json()["status"] for job_id in job_ids]
+            if all(status == "running" for status in statuses):
+                break
+            if any(status not in ("queued", "starting") for status in statuses):
+                raise RuntimeError(f"a job did not run: {statuses}")
+            await asyncio.sleep(0.2)
     job_id = job_ids[0]
     started: list[int] = []
     refused: list[int] = []
+    events: list[int] = []
     tasks = [
-        asyncio.create_task(follow(server.url, job_ids[i % args.jobs], started, refused))
+        asyncio.create_task(follow(server.url, job_ids[i % args.jobs], started, refused, events))
         for i in range(args.followers)
     ]
     try:
@@ -87,9 +105,9 @@ async def measure(args: argparse.Namespace, server: ApiServer, postmaster: int |
                 )
             return proc_cpu_seconds(server.pid), pg
 
-        (api0, pg0), t0 = cpu(), time.monotonic()
+        (api0, pg0), t0, events0 = cpu(), time.monotonic(), len(events)
         await asyncio.sleep(args.seconds)
-        (api1, pg1), t1 = cpu(), time.monotonic()
+        (api1, pg1), t1, events1 = cpu(), time.monotonic(), len(events)
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
             took = []
             for _ in range(20):
@@ -104,6 +122,7 @@ async def measure(args: argparse.Namespace, server: ApiServer, postmaster: int |
             "api_cpu_pct": round(100 * (api1 - api0) / (t1 - t0), 1),
             "postgres_cpu_pct": round(100 * (pg1 - pg0) / (t1 - t0), 1) if postmaster is not None else None,
             "get_events_p50_ms": round(1000 * took[len(took) // 2], 2),
+            "events_per_second": round((events1 - events0) / (t1 - t0), 1),  # (received, all followers)
         }
     finally:
         for task in tasks:
@@ -124,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
             pg.start()
             database_url = pg.url
             postmaster = int((pg.data_dir / "postmaster.pid").read_text().split()[0])
-        server = ApiServer(Path(tmp), database_url, args.source, env={"TPUTUNE_DISPATCHER_ENABLED": "false"})
+        env = {"TPUTUNE_DISPATCHER_ENABLED": "false"}
+        if args.active:
+            worker = f"{sys.executable} {ROOT / 'tests' / 'fake_worker.py'}"
+            env = {"TPUTUNE_WORKER_COMMAND": worker, "TPUTUNE_TENANT_MAX_ACTIVE_JOBS": str(args.jobs)}
+        server = ApiServer(Path(tmp), database_url, args.source, env=env)
         try:
             server.start()
             result = asyncio.run(measure(args, server, postmaster))
@@ -135,9 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     pg_part = f", PostgreSQL {result['postgres_cpu_pct']}%" if postmaster is not None else ""
     refused = f" ({result['refused']} more refused)" if result["refused"] else ""
     print(
-        f"{result['followers']} idle followers{refused} of {args.jobs} jobs ({args.database}, api/ of "
+        f"{result['followers']} {'active' if args.active else 'idle'} followers{refused} of {args.jobs} jobs "
+        f"({args.database}, api/ of "
         f"{args.source}): API process {result['api_cpu_pct']}% of a core{pg_part}; "
-        f"GET /jobs/{{id}}/events p50 {result['get_events_p50_ms']} ms meanwhile"
+        f"GET /jobs/{{id}}/events p50 {result['get_events_p50_ms']} ms meanwhile; "
+        f"{result['events_per_second']} events/s received"
     )
     print(json.dumps({"benchmark": "api_followers", "database": args.database, **result}))
     return 0

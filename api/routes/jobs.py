@@ -275,8 +275,8 @@ async def _follow_events(
     request: Request, stream: Stream, job_id: str, after: int, types: list[str]
 ) -> AsyncIterator[str]:
     # A read is two statements on the event loop (api.reader), without a thread or an ORM session, made
-    # when the job has something new: the process's EventWatch looks for all its followers at once.
-    reader = request.app.state.job_reader
+    # when the job has something new: the process's EventWatch looks for all its followers at once, and
+    # shares a read among the followers of a job that ask for the same.
     watch: EventWatch = request.app.state.event_watch
     tenant = stream.principal.tenant
     seen = after  # the newest event id looked past (with `types`, past events of other types too)
@@ -285,21 +285,22 @@ async def _follow_events(
         if stream.ended:
             yield f"event: closed\ndata: {json.dumps(KEY_REVOKED)}\n\n"
             return
+        poll = service.EventPoll(job_id, after, types)
         try:
-            status, rows = await reader.poll_events(tenant, service.EventPoll(job_id, after, types))
+            status, events = await watch.read(tenant, poll, _sse_event)
         except DatabaseUnavailable:
-            status, rows = "", []  # (the database is away: the stream waits for it, as for new events)
+            status, events = "", []  # (the database is away: the stream waits for it, as for new events)
         if status is None:  # no longer a job of the tenant's
             yield "event: end\ndata: {}\n\n"
             return
-        events = [EventPublic.of(row) for row in rows]
-        for event in events:
-            after = event.id
-            yield f"id: {event.id}\nevent: {event.type}\ndata: {event.model_dump_json()}\n\n"
         if events:
+            yield "".join(text for _, text in events)
+            after = events[-1][0]
             seen = max(seen, after)
             quiet_since = time.monotonic()
-            continue  # (there may be more than one read returns)
+            if len(events) == poll.limit:
+                continue  # (more were there)
+        # The status was read before the events: a job that had ended has no more to come.
         if status and is_final(status):
             yield "event: end\ndata: {}\n\n"
             return
@@ -310,6 +311,11 @@ async def _follow_events(
         newest = await watch.wait(stream, job_id, status, seen, keep_alive)
         if newest is not None:
             seen = max(seen, newest)
+
+
+def _sse_event(row: Any) -> str:
+    event = EventPublic.of(row)
+    return f"id: {event.id}\nevent: {event.type}\ndata: {event.model_dump_json()}\n\n"
 
 
 @router.get(
