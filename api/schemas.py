@@ -58,7 +58,7 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
         413: "The body is too large.",
         422: "Invalid input; `error.code` says how and `error.details` lists every field.",
         429: "Too many requests, or followed streams, for this key or server; see Retry-After.",
-        503: "The database is unreachable; retry.",
+        503: "The database is unreachable, or the server is shutting down; retry.",
     }
     return {code: {"model": ErrorResponse, "description": text[code]} for code in codes}
 

@@ -27,6 +27,7 @@ one write(2) and one TCP segment, where uvicorn made two.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -83,7 +84,11 @@ def run(overrides: dict[str, Any]) -> int:
 
         app = create_app(settings)
         _tune_interpreter()
-        uvicorn.run(app, **options)
+        server = EndingStreamsServer(uvicorn.Config(app, **options))
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run()
+        if not server.started:
+            sys.exit(STARTUP_FAILURE)
         return 0
 
     from api.auth import BUCKETS_FILE, SharedBuckets
@@ -119,18 +124,21 @@ def _run_workers(config: uvicorn.Config) -> None:
     port bound (never listening) while workers come and go, after checking that nothing else holds it. A
     worker that dies takes the connections waiting on its socket with it (reset, as its open ones are);
     new ones go to the others until uvicorn's replacement listens."""
-    if not REUSE_PORT:
-        Multiprocess(config, sockets=[config.bind_socket()]).run()
-        return
-    reserved = _reserve_port(config.host, config.port)
-    config.port = reserved.getsockname()[1]  # port 0: the one the kernel chose
     started = multiprocess.Process
-    multiprocess.Process = OwnSocketProcess  # type: ignore[misc]  # what Multiprocess starts and restarts
     try:
-        Multiprocess(config, sockets=[]).run()
+        if not REUSE_PORT:
+            multiprocess.Process = EndingStreamsProcess  # type: ignore[misc]  # what Multiprocess starts
+            Multiprocess(config, sockets=[config.bind_socket()]).run()
+            return
+        reserved = _reserve_port(config.host, config.port)
+        config.port = reserved.getsockname()[1]  # port 0: the one the kernel chose
+        multiprocess.Process = OwnSocketProcess  # type: ignore[misc]  # what Multiprocess starts and restarts
+        try:
+            Multiprocess(config, sockets=[]).run()
+        finally:
+            reserved.close()
     finally:
         multiprocess.Process = started  # type: ignore[misc]
-        reserved.close()
 
 
 def _tcp_socket(host: str) -> socket.socket:
@@ -164,7 +172,33 @@ def _reserve_port(host: str, port: int) -> socket.socket:
         raise SystemExit(f"tputune: cannot serve on {host}:{port}: {exc}") from exc
 
 
-class OwnSocketProcess(multiprocess.Process):
+class EndingStreamsServer(uvicorn.Server):
+    """uvicorn's server, which ends this process's followed streams when it shuts down (SIGTERM).
+
+    It waits for every open response to end before it stops, and a followed stream ends when its job does,
+    hours away maybe: one dashboard page left open kept `tputune serve` from stopping, until a SIGKILL (on
+    GKE, at the end of the pod's grace period) skipped the app's shutdown (the job writer's last batch,
+    the dispatcher, the leader's Lease). Event streams end plainly, and their clients follow again from
+    their last event; streams asked for while it shuts down get 503."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        from api.streams import end_all_streams
+
+        end_all_streams()
+        await super().shutdown(sockets)
+
+
+class EndingStreamsProcess(multiprocess.Process):
+    """A uvicorn worker process whose server is an EndingStreamsServer."""
+
+    @property
+    def server(self) -> uvicorn.Server:
+        if self._server is None:
+            self._server = EndingStreamsServer(config=self.config)
+        return self._server
+
+
+class OwnSocketProcess(EndingStreamsProcess):
     """A uvicorn worker that listens on a socket it binds itself (SO_REUSEPORT, the port the supervisor
     holds) instead of on one it inherits. Spawned: the worker unpickles this class from this module."""
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -43,18 +44,24 @@ RETRY_AFTER_SECONDS = 10
 _UNCHECKED_KEYS = ("admin", "anonymous")
 
 
+REVOKED = "revoked"
+SHUTDOWN = "shutdown"
+
+
 @dataclass(eq=False)
 class Stream:
-    """One follower. `ended` once its key was revoked: the stream then stops (`on_end` interrupts a read
-    that blocks until its next line)."""
+    """One follower. `ended` (with the reason) once its key was revoked or the server is shutting down:
+    the stream then stops (`on_end` interrupts a read that blocks until its next line)."""
 
     kind: str
     principal: Principal
-    ended: bool = False
+    ended: str | None = None
     on_end: Callable[[], None] | None = field(default=None, repr=False)
 
-    def end(self) -> None:
-        self.ended = True
+    def end(self, reason: str) -> None:
+        if self.ended:
+            return
+        self.ended = reason
         if self.on_end is not None:
             self.on_end()
 
@@ -73,6 +80,8 @@ class Streams:
         self._open: set[Stream] = set()
         self._kinds: Counter[str] = Counter()
         self._keys: Counter[str] = Counter()
+        self.closing = False  # (shutting down: no new streams)
+        _ALL.add(self)
 
     def count(self, kind: str) -> int:
         with self._lock:
@@ -82,6 +91,14 @@ class Streams:
         """A new follower, counted until `release`; ApiError 429 over a cap."""
         key = principal.key_id
         with self._lock:
+            if self.closing:
+                raise ApiError(
+                    503,
+                    "shutting_down",
+                    "This API server is shutting down; follow again in a moment (another one answers).",
+                    param="follow",
+                    headers={"Retry-After": "1"},
+                )
             if self._kinds[kind] >= self.caps[kind]:
                 raise _refused(kind, self._kinds[kind])
             if key not in _UNCHECKED_KEYS and self._keys[key] >= self.per_key:
@@ -136,9 +153,18 @@ class Streams:
         with self._lock:
             ending = [s for s in self._open if s.principal.key_id in key_ids and not s.ended]
         for stream in ending:
-            stream.end()
+            stream.end(REVOKED)
         if ending:
             log.info("ended %d followed streams of revoked keys %s", len(ending), sorted(key_ids))
+        return len(ending)
+
+    def end_all(self, reason: str) -> int:
+        """End every stream, and admit no more (the server is shutting down); how many."""
+        with self._lock:
+            self.closing = True
+            ending = list(self._open)
+        for stream in ending:
+            stream.end(reason)
         return len(ending)
 
     def _gauge(self, kind: str, change: int) -> None:
@@ -251,6 +277,20 @@ class EventWatch:
                     waiter.woken.set_result(waiter.seen)  # (its next read finds the job gone)
                 elif head.status != waiter.status or head.last_event > waiter.seen:
                     waiter.woken.set_result(head.last_event)
+
+
+_ALL: weakref.WeakSet[Streams] = weakref.WeakSet()  # (every app's in this process)
+
+
+def end_all_streams() -> int:
+    """End every followed stream of this process: the server is shutting down, and waits for its open
+    responses to end, which a stream does when its job ends, hours from now maybe (api.server). Event
+    streams end plainly (a client follows again, on another replica or the restarted server, from its last
+    event), logs at once. How many."""
+    ended = sum(streams.end_all(SHUTDOWN) for streams in list(_ALL))
+    if ended:
+        log.info("shutting down: ended %d followed streams", ended)
+    return ended
 
 
 _MAX_READS = 10_000  # shared reads remembered at most (between two looks)

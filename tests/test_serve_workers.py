@@ -11,6 +11,7 @@ test_dispatch_process.py, which runs each test with one and two workers.)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -222,3 +223,35 @@ def test_more_than_one_worker_needs_the_dispatcher_process(tmp_path: Path) -> No
     done = serve_two_workers(env)
     assert done.returncode != 0
     assert "TPUTUNE_WORKERS > 1 needs the dispatcher in a process of its own" in done.stderr
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_followed_streams_do_not_keep_the_server_from_stopping(
+    tmp_path: Path, dataset: Path, count: int
+) -> None:
+    """SIGTERM: uvicorn waits for every open response to end, and a followed stream ends when its job does.
+    One dashboard page left open kept the server from stopping until a SIGKILL skipped its shutdown. Now
+    the streams end (plainly: their clients follow again, from their last event), and the server stops."""
+    server = Server(tmp_path, dataset, workers=count)
+    server.start()
+    assert server.proc is not None
+    body = {"name": "followed", "model": "tiny", "dataset_uri": str(dataset), "metadata": {"fake": "slow"}}
+    job_id = httpx.post(f"{server.url}/jobs", json=body, timeout=10).json()["id"]
+    with contextlib.ExitStack() as stack:
+        lines = []
+        for _ in range(4):  # (new connections: with two workers, likely on both)
+            response = stack.enter_context(
+                httpx.stream(
+                    "GET", f"{server.url}/jobs/{job_id}/events", params={"follow": "true"}, timeout=30
+                )
+            )
+            assert response.status_code == 200
+            lines.append(response.iter_lines())
+            assert next(lines[-1]).startswith("id: ")
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(timeout=20)
+        assert time.monotonic() - started < 10
+        for each in lines:
+            assert all(not line.startswith("event: closed") for line in each)  # (read to its end, no error)
+    assert "Application shutdown complete" in server.log.read_text()

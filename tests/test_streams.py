@@ -16,6 +16,7 @@ from sqlalchemy import update
 
 from api.client import ApiError, Client
 from api.models import ApiKey
+from api.streams import SHUTDOWN
 from tests.conftest import LiveApi
 
 ADMIN = "admin-secret-0123456789"
@@ -91,7 +92,7 @@ class Follower:
         self._stack.close()
 
 
-def refused(api: LiveApi, key: str, job_id: str) -> httpx.Response:
+def refused(api: LiveApi, key: str | None, job_id: str) -> httpx.Response:
     with api.client() as http:
         return http.get(f"/jobs/{job_id}/events", params={"follow": "true"}, headers=bearer(key))
 
@@ -238,3 +239,24 @@ def test_idle_followers_share_one_look_for_new_events(
         time.sleep(0.6)
         # One read for the job's three followers, woken together (EventWatch.read); none for the others.
         assert polled == [job_ids[0]], polled
+
+
+def test_a_server_shutting_down_ends_its_streams_plainly_and_admits_no_more(
+    live_api: Callable[..., LiveApi], dataset: Path
+) -> None:
+    """What `tputune serve` does on SIGTERM before it waits for open responses (api.server; the signal
+    itself in test_serve_workers): event streams end without `closed`, so clients follow again, from
+    their last event, elsewhere; a stream asked for meanwhile gets 503 with Retry-After."""
+    api = live_api(dispatcher_enabled=False)
+    job_id = create_job(api, None, dataset)
+    with contextlib.ExitStack() as stack:
+        follower = Follower(stack, api, None, job_id)
+        follower.until("status")
+        streams = api.server.config.app.state.streams  # type: ignore[union-attr]
+        started = time.monotonic()
+        assert streams.end_all(SHUTDOWN) == 1
+        assert follower.ended() and time.monotonic() - started < 2.0
+        late = refused(api, None, job_id)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+        assert late.headers["retry-after"] == "1"
+    wait_gauge(api, "tputune_event_followers", 0)

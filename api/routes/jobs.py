@@ -41,7 +41,7 @@ from api.schemas import (
     error_responses,
 )
 from api.states import JobStatus, is_final
-from api.streams import EVENTS, LOGS, EventWatch, Followed, Stream, Streams
+from api.streams import EVENTS, LOGS, REVOKED, EventWatch, Followed, Stream, Streams
 from worker.protocol import ProgressAck, ProgressBatch
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], responses=error_responses(401, 413, 422, 429, 503))
@@ -282,8 +282,10 @@ async def _follow_events(
     seen = after  # the newest event id looked past (with `types`, past events of other types too)
     quiet_since = time.monotonic()
     while not await request.is_disconnected():
-        if stream.ended:
+        if stream.ended == REVOKED:
             yield f"event: closed\ndata: {json.dumps(KEY_REVOKED)}\n\n"
+            return
+        if stream.ended:  # (the server is shutting down: the client follows again, from its last event)
             return
         poll = service.EventPoll(job_id, after, types)
         try:
