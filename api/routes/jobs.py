@@ -236,7 +236,8 @@ def list_events(
     """Oldest first: status changes, metrics points, checkpoints, samples, restarts, warnings, errors.
 
     Followed, the stream ends with an `end` event when the job has ended, or a `closed` event (`code`,
-    `message`) when the server stops it (the API key was revoked)."""
+    `message`) when the server stops it (the API key was revoked). One that ends without either (the server
+    shutting down) is followed again, after its last event (`Last-Event-ID`)."""
     job = service.get_job(session, principal.tenant, job_id)
     if follow:
         start = after
