@@ -153,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
             result = asyncio.run(measure(args, server, postmaster))
         finally:
             server.stop()
+            if args.active:  # (a local run outlives its server, by design: the fake workers go too)
+                from tests.conftest import kill_runs
+
+                kill_runs(server.data_dir / "jobs")
             if pg is not None:
                 pg.close()
     pg_part = f", PostgreSQL {result['postgres_cpu_pct']}%" if postmaster is not None else ""

@@ -27,6 +27,7 @@ import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from api.server import REUSE_PORT
+from tests.conftest import kill_runs
 from tests.support.serve import Server, alive, api_workers, dispatchers, wait_for
 
 pytestmark = pytest.mark.slow
@@ -238,6 +239,7 @@ def test_followed_streams_do_not_keep_the_server_from_stopping(
     body = {"name": "followed", "model": "tiny", "dataset_uri": str(dataset), "metadata": {"fake": "slow"}}
     job_id = httpx.post(f"{server.url}/jobs", json=body, timeout=10).json()["id"]
     with contextlib.ExitStack() as stack:
+        stack.callback(kill_runs, server.data_dir / "jobs")  # (a local run outlives its server, by design)
         lines = []
         for _ in range(4):  # (new connections: with two workers, likely on both)
             response = stack.enter_context(
