@@ -137,11 +137,13 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
         async def valid_keys(key_ids: set[str]) -> set[str]:
             return await anyio.to_thread.run_sync(auth.valid_key_ids, key_ids)
 
-        watch = asyncio.create_task(streams.watch(valid_keys))
+        # (without keys there is nothing to revoke)
+        watch = asyncio.create_task(streams.watch(valid_keys)) if settings.auth_enabled else None
         try:
             yield
         finally:
-            watch.cancel()
+            if watch is not None:
+                watch.cancel()
             await job_writer.aclose()
             if dispatcher is not None:
                 dispatcher.stop()

@@ -65,6 +65,12 @@ class Stream:
         if self.on_end is not None:
             self.on_end()
 
+    def on_ending(self, interrupt: Callable[[], None]) -> None:
+        """Call `interrupt` when the stream ends, or now if it has (ended while it was being opened)."""
+        self.on_end = interrupt
+        if self.ended:
+            interrupt()
+
 
 class Streams:
     """This process's followers: admitted under the caps, let go when their response ends, ended when their
@@ -83,32 +89,40 @@ class Streams:
         self.closing = False  # (shutting down: no new streams)
         _ALL.add(self)
 
-    def count(self, kind: str) -> int:
-        with self._lock:
-            return self._kinds[kind]
-
     def admit(self, kind: str, principal: Principal) -> Stream:
-        """A new follower, counted until `release`; ApiError 429 over a cap."""
+        """A new follower, counted until `release`; ApiError 429 over a cap, 503 while shutting down."""
         key = principal.key_id
         with self._lock:
             if self.closing:
-                raise ApiError(
+                raise _refused(
                     503,
                     "shutting_down",
                     "This API server is shutting down; follow again in a moment (another one answers).",
-                    param="follow",
-                    headers={"Retry-After": "1"},
+                    retry_after=1,
                 )
-            if self._kinds[kind] >= self.caps[kind]:
-                raise _refused(kind, self._kinds[kind])
+            active = self._kinds[kind]
+            if active >= self.caps[kind]:
+                if kind == LOGS:
+                    raise _refused(
+                        429,
+                        "too_many_log_followers",
+                        f"This server follows {active} job logs now, the most it allows "
+                        "(TPUTUNE_MAX_LOG_FOLLOWERS); poll GET /jobs/{id}/logs instead, or follow again "
+                        "later.",
+                    )
+                raise _refused(
+                    429,
+                    "too_many_event_followers",
+                    f"This server follows {active} job event streams now, the most it allows "
+                    "(TPUTUNE_MAX_EVENT_FOLLOWERS); page GET /jobs/{id}/events with `after` instead, or "
+                    "follow again later.",
+                )
             if key not in _UNCHECKED_KEYS and self._keys[key] >= self.per_key:
-                raise ApiError(
+                raise _refused(
                     429,
                     "too_many_streams",
                     f"This API key follows {self._keys[key]} streams (job events or logs) now, the most one "
                     "key may (TPUTUNE_MAX_STREAMS_PER_KEY); close one, or poll instead of following.",
-                    param="follow",
-                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
                 )
             stream = Stream(kind, principal)
             self._open.add(stream)
@@ -192,41 +206,35 @@ class EventWatch:
     now 2.5% (bench/api_followers.py --followers 1000 --jobs 1000).
 
     The followers of one job, woken together, read its new events together too (`read`): the same read
-    (job, cursor, types) asked for again in the same tick is answered by the first, its events rendered
-    once."""
+    (job, cursor, types) asked for again after the same look is answered by the first, its events
+    rendered once."""
 
     def __init__(self, reader: Any, interval: float = 0.5) -> None:
         self.reader = reader
         self.interval = interval
         self._waiters: set[_Waiter] = set()
         self._task: asyncio.Task[None] | None = None
-        self._tick = 0
-        # (tenant, job id, after, types) -> (tick, when, the read)
-        self._reads: dict[tuple[Any, ...], tuple[int, float, asyncio.Task[Any]]] = {}
+        # (tenant, job id, after, types) -> (when, the read); emptied by each look
+        self._reads: dict[tuple[Any, ...], tuple[float, asyncio.Task[Any]]] = {}
 
     async def read(
         self, tenant: str, poll: Any, render: Callable[[Any], str]
     ) -> tuple[str | None, list[tuple[int, str]]]:
         """`reader.poll_events(tenant, poll)`, each event as (id, `render(row)`); shared with the followers
-        that ask for the same in this tick. A read made before this tick's look (or `interval` ago) is not
-        shared: it may predate what the look saw, which woke the follower."""
+        that ask for the same after the same look. A read made before the last look (it empties `_reads`),
+        or `interval` ago, is not shared: it may predate what the look saw, which woke the follower."""
         loop = asyncio.get_running_loop()
         key = (tenant, poll.job_id, poll.after, tuple(poll.types))
         entry = self._reads.get(key)
-        if (
-            entry is None
-            or entry[0] != self._tick
-            or loop.time() - entry[1] >= self.interval
-            or entry[2].get_loop() is not loop
-        ):
+        if entry is None or loop.time() - entry[0] >= self.interval or entry[1].get_loop() is not loop:
             if len(self._reads) > _MAX_READS:
                 self._reads.clear()
             task = loop.create_task(self._read(tenant, poll, render))
             task.add_done_callback(_retrieve)
-            entry = (self._tick, loop.time(), task)
+            entry = (loop.time(), task)
             self._reads[key] = entry
         # shield: a follower that goes away does not cancel the read the others wait for.
-        return await asyncio.shield(entry[2])
+        return await asyncio.shield(entry[1])
 
     async def _read(
         self, tenant: str, poll: Any, render: Callable[[Any], str]
@@ -253,11 +261,14 @@ class EventWatch:
     async def _run(self) -> None:
         while self._waiters:
             await asyncio.sleep(self.interval)
-            waiters = [w for w in self._waiters if not w.woken.done()]
-            for waiter in waiters:
+            waiters = []
+            for waiter in self._waiters:
+                if waiter.woken.done():
+                    continue
                 if waiter.stream.ended:
                     waiter.woken.set_result(waiter.seen)
-            waiters = [w for w in waiters if not w.woken.done()]
+                else:
+                    waiters.append(waiter)
             if not waiters:
                 continue
             try:
@@ -267,12 +278,11 @@ class EventWatch:
             except Exception:
                 log.exception("could not look for new events of followed jobs")
                 continue
-            self._tick += 1  # (reads from before the look are not shared with the followers it wakes)
-            self._reads.clear()
+            self._reads.clear()  # (reads from before the look are not shared with the followers it wakes)
             for waiter in waiters:
-                head = heads.get(waiter.job_id)
-                if waiter.woken.done():
+                if waiter.woken.done():  # (timed out during the look)
                     continue
+                head = heads.get(waiter.job_id)
                 if head is None or head.tenant != waiter.stream.principal.tenant:
                     waiter.woken.set_result(waiter.seen)  # (its next read finds the job gone)
                 elif head.status != waiter.status or head.last_event > waiter.seen:
@@ -303,25 +313,9 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
-def _refused(kind: str, active: int) -> ApiError:
-    if kind == LOGS:
-        return ApiError(
-            429,
-            "too_many_log_followers",
-            f"This server follows {active} job logs now, the most it allows (TPUTUNE_MAX_LOG_FOLLOWERS); "
-            "poll GET /jobs/{id}/logs instead, or follow again later.",
-            param="follow",
-            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-        )
-    return ApiError(
-        429,
-        "too_many_event_followers",
-        f"This server follows {active} job event streams now, the most it allows "
-        "(TPUTUNE_MAX_EVENT_FOLLOWERS); page GET /jobs/{id}/events with `after` instead, or follow again "
-        "later.",
-        param="follow",
-        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-    )
+def _refused(status: int, code: str, message: str, retry_after: int = RETRY_AFTER_SECONDS) -> ApiError:
+    """A follower not admitted: `status` (429, 503) with `Retry-After`."""
+    return ApiError(status, code, message, param="follow", headers={"Retry-After": str(retry_after)})
 
 
 class Followed(StreamingResponse):

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from api_load import ROOT, ApiServer, children, proc_cpu_seconds
+from api_load import ROOT, ApiServer, CpuWatch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -96,18 +96,11 @@ async def measure(args: argparse.Namespace, server: ApiServer, postmaster: int |
                 raise RuntimeError(f"only {len(started)} of {args.followers} followers got their stream")
             await asyncio.sleep(0.1)
         await asyncio.sleep(2.0)
-
-        def cpu() -> tuple[float, float]:
-            pg = 0.0
-            if postmaster is not None:
-                pg = proc_cpu_seconds(postmaster, reaped_children=True) + sum(
-                    proc_cpu_seconds(p) for p in children(postmaster, zombies=True)
-                )
-            return proc_cpu_seconds(server.pid), pg
-
-        (api0, pg0), t0, events0 = cpu(), time.monotonic(), len(events)
+        cpu = CpuWatch(server.pid, postmaster)
+        cpu.start()
+        t0, events0 = time.monotonic(), len(events)
         await asyncio.sleep(args.seconds)
-        (api1, pg1), t1, events1 = cpu(), time.monotonic(), len(events)
+        used, t1, events1 = cpu.stop(), time.monotonic(), len(events)
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
             took = []
             for _ in range(20):
@@ -119,8 +112,8 @@ async def measure(args: argparse.Namespace, server: ApiServer, postmaster: int |
             "followers": args.followers - len(refused),
             "jobs": args.jobs,
             "refused": len(refused),
-            "api_cpu_pct": round(100 * (api1 - api0) / (t1 - t0), 1),
-            "postgres_cpu_pct": round(100 * (pg1 - pg0) / (t1 - t0), 1) if postmaster is not None else None,
+            "api_cpu_pct": used["server_pct"],
+            "postgres_cpu_pct": used["postgres_pct"],
             "get_events_p50_ms": round(1000 * took[len(took) // 2], 2),
             "events_per_second": round((events1 - events0) / (t1 - t0), 1),  # (received, all followers)
         }

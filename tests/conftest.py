@@ -121,6 +121,12 @@ class LiveApi:
     def client(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=10, headers=self.headers)
 
+    def gauge(self, name: str) -> float:
+        """A metric without labels, as /metrics shows it now."""
+        with self.client() as http:
+            text = http.get("/metrics").text
+        return float(next(line.split()[1] for line in text.splitlines() if line.startswith(f"{name} ")))
+
     def wait_for(self, job_id: str, predicate: Callable[[dict], bool], timeout: float = 30) -> dict:
         deadline = time.monotonic() + timeout
         with self.client() as http:

@@ -43,16 +43,10 @@ def create_job(api: LiveApi, key: str | None, dataset: Path) -> str:
     return str(created.json()["id"])
 
 
-def gauge(api: LiveApi, name: str) -> float:
-    with api.client() as http:
-        text = http.get("/metrics").text
-    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(f"{name} ")))
-
-
 def wait_gauge(api: LiveApi, name: str, value: float, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
-    while gauge(api, name) != value:
-        assert time.monotonic() < deadline, f"{name} is {gauge(api, name)}, not {value}"
+    while api.gauge(name) != value:
+        assert time.monotonic() < deadline, f"{name} is {api.gauge(name)}, not {value}"
         time.sleep(0.05)
 
 
@@ -114,7 +108,7 @@ def test_a_key_follows_at_most_its_share_and_the_server_at_most_its_cap(
         assert over_share.headers["retry-after"] == "10"
         # Another key still follows: the share is the key's, not the tenant's or the server's.
         Follower(stack, api, second, job_id).until("status")
-        assert gauge(api, "tputune_event_followers") == 3
+        assert api.gauge("tputune_event_followers") == 3
         over_cap = refused(api, second, job_id)
         assert over_cap.status_code == 429 and over_cap.json()["error"]["code"] == "too_many_event_followers"
         # The paged route is not a stream, and not capped.

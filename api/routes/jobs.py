@@ -399,9 +399,7 @@ def job_logs(
             if isinstance(exc, LookupError):
                 raise ApiError(409, "logs_not_ready", str(exc)) from None
             raise
-        stream.on_end = log.interrupt  # (its key revoked: the read blocked in it returns)
-        if stream.ended:  # (revoked in between)
-            log.interrupt()
+        stream.on_ending(log.interrupt)  # (its key revoked, or shutdown: the read blocked in it returns)
         return Followed(
             _relay_log(log, stream, streams.log_threads),
             streams,

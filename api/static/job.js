@@ -218,10 +218,7 @@ function follow(after) {
       live.textContent = "Reconnecting…";
       return;
     }
-    const wait = resumeMs;
-    resumeMs = Math.min(resumeMs * 2, RESUME_MAX_MS);
-    live.textContent = `Disconnected; following again in ${Math.round(wait / 1000)} s.`;
-    setTimeout(resume, wait);
+    resumeLater((seconds) => `Disconnected; following again in ${seconds} s.`);
   });
 }
 
@@ -230,13 +227,18 @@ async function resume() {
   try {
     await loadJob();
   } catch (error) {
-    const wait = resumeMs;
-    resumeMs = Math.min(resumeMs * 2, RESUME_MAX_MS);
-    $("live").textContent = `${error.message} Trying again in ${Math.round(wait / 1000)} s.`;
-    setTimeout(resume, wait);
+    resumeLater((seconds) => `${error.message} Trying again in ${seconds} s.`);
     return;
   }
   follow(lastEventId);
+}
+
+// Calls resume() after the current wait, which doubles for the next time; says so with `says(seconds)`.
+function resumeLater(says) {
+  const wait = resumeMs;
+  resumeMs = Math.min(resumeMs * 2, RESUME_MAX_MS);
+  $("live").textContent = says(Math.round(wait / 1000));
+  setTimeout(resume, wait);
 }
 
 function showLoadError(error) {

@@ -83,11 +83,7 @@ def test_local_logs_cannot_be_followed(client: TestClient, dataset: Path) -> Non
 
 
 def _followers_gauge(api: LiveApi) -> float:
-    with api.client() as http:
-        text = http.get("/metrics").text
-    return float(
-        next(line.split()[1] for line in text.splitlines() if line.startswith("tputune_log_followers "))
-    )
+    return api.gauge("tputune_log_followers")
 
 
 def test_log_followers_hold_no_route_thread_and_are_let_go_at_once(
