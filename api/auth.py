@@ -6,11 +6,9 @@ refuses non-loopback addresses, see Settings.check_exposure).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import hmac
 import mmap
-import os
 import secrets
 import struct
 import threading
@@ -23,6 +21,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from api.errors import ApiError
+from api.mapped import MappedFile, digest
 from api.models import ApiKey
 from api.settings import Settings
 
@@ -175,36 +174,27 @@ class SharedBuckets:
 
     def __init__(self, path: Path, reset: bool = False, slots: int = 4096) -> None:
         self.slots = slots
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        if reset:
-            os.ftruncate(self._fd, 0)  # a new server: every bucket starts full
-        os.ftruncate(self._fd, slots * _SLOT.size)
-        self._map = mmap.mmap(self._fd, slots * _SLOT.size)
-        self._lock = threading.Lock()  # flock(2) does not exclude this process's other threads
+        self._file = MappedFile(path, slots * _SLOT.size, reset)  # reset: a new server, every bucket full
 
     def take(self, key: str, rate: float, burst: float) -> int | None:
-        digest = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") or 1
+        key_digest = digest(key)
         now = time.monotonic()
-        with self._lock:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            try:
-                offset = self._slot(digest)
-                stored, tokens, last = _SLOT.unpack_from(self._map, offset)
-                if stored != digest:
-                    tokens, last = burst, now
-                tokens, retry = _spend(tokens, last, now, rate, burst)
-                _SLOT.pack_into(self._map, offset, digest, tokens, now)
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        with self._file.locked() as table:
+            offset = self._slot(table, key_digest)
+            stored, tokens, last = _SLOT.unpack_from(table, offset)
+            if stored != key_digest:
+                tokens, last = burst, now
+            tokens, retry = _spend(tokens, last, now, rate, burst)
+            _SLOT.pack_into(table, offset, key_digest, tokens, now)
         return retry
 
-    def _slot(self, digest: int) -> int:
-        """The offset of `digest`'s slot: its own, else a free one, else the least recently used probed."""
+    def _slot(self, table: mmap.mmap, key_digest: int) -> int:
+        """The offset of the key's slot: its own, else a free one, else the least recently used probed."""
         oldest, oldest_when = 0, float("inf")
         for probe in range(self.PROBES):
-            offset = ((digest + probe) % self.slots) * _SLOT.size
-            stored, _, when = _SLOT.unpack_from(self._map, offset)
-            if stored in (digest, 0):
+            offset = ((key_digest + probe) % self.slots) * _SLOT.size
+            stored, _, when = _SLOT.unpack_from(table, offset)
+            if stored in (key_digest, 0):
                 return offset
             if when < oldest_when:
                 oldest, oldest_when = offset, when

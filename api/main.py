@@ -24,7 +24,7 @@ from api.observability import Metrics, RequestContext, RequestLoad
 from api.reader import make_reader
 from api.routes import dashboard, health, jobs, keys
 from api.settings import Settings
-from api.streams import EVENTS, LOGS, EventWatch, Streams
+from api.streams import EVENTS, LOGS, EventWatch, SharedKeyStreams, Streams
 from api.writer import make_writer
 
 DESCRIPTION = """Fine-tune Gemma 3 with JAX: on a GKE TPU slice as a JobSet, or as local worker processes.
@@ -98,8 +98,8 @@ class BodySizeLimit:
 
 def create_app(settings: Settings | None = None, *, engine: Any = None, worker: bool = False) -> FastAPI:
     """The app. `worker`: one of `tputune serve --workers N`'s processes (api.server): its parent runs the
-    dispatcher, metrics are summed over the workers (PROMETHEUS_MULTIPROC_DIR), and the rate limits are
-    shared with them."""
+    dispatcher, metrics are summed over the workers (PROMETHEUS_MULTIPROC_DIR), the rate limits and
+    each key's share of followed streams are shared with them."""
     settings = settings or Settings()
     settings.ensure_dirs()
     engine = engine or make_engine(settings.resolved_database_url, settings.database_pool_size)
@@ -123,7 +123,11 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
             dispatcher = wakes = make_dispatcher(engine, executor, settings, metrics, api_busy=load.busy)
     job_writer = make_writer(engine, on_commit=wakes.wake if wakes is not None else None)
     buckets = SharedBuckets(settings.data_dir / BUCKETS_FILE) if worker else LocalBuckets()
-    streams = Streams(settings, {EVENTS: metrics.event_followers, LOGS: metrics.log_followers})
+    streams = Streams(
+        settings,
+        {EVENTS: metrics.event_followers, LOGS: metrics.log_followers},
+        SharedKeyStreams.for_settings(settings) if worker else None,
+    )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -16,7 +16,8 @@ all on SIGTERM/SIGINT. Between the workers:
 - the settings travel in the environment (the command line's overrides as TPUTUNE_* variables);
 - any worker wakes the dispatcher (a FIFO in the data dir, api.dispatch_process.Waker);
 - /metrics sums every worker's counts (prometheus_client's multiprocess mode, in a temporary directory);
-- a key's rate limit holds across them (api.auth.SharedBuckets);
+- a key's rate limit holds across them (api.auth.SharedBuckets), and so does its share of followed streams
+  (api.streams.SharedKeyStreams);
 - a worker whose supervisor dies (SIGKILL included) is killed with it, like the one-process server's
   threads: nothing goes on answering on the port, and a restarted server can bind it at once.
 The API-key cache (5 s) is per process, as it is across replicas.
@@ -93,6 +94,7 @@ def run(overrides: dict[str, Any]) -> int:
 
     from api.auth import BUCKETS_FILE, SharedBuckets
     from api.dispatch_process import DispatcherProcess
+    from api.streams import SharedKeyStreams
 
     for name, value in overrides.items():  # the command line's, for the workers' Settings()
         os.environ[f"TPUTUNE_{name.upper()}"] = str(value)
@@ -102,6 +104,7 @@ def run(overrides: dict[str, Any]) -> int:
     metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
     os.environ[METRICS_DIR_ENV] = metrics_dir
     SharedBuckets(settings.data_dir / BUCKETS_FILE, reset=True)
+    SharedKeyStreams.for_settings(settings, reset=True)
     dispatcher = DispatcherProcess(settings) if settings.dispatcher_enabled else None
     if dispatcher is not None:
         dispatcher.start()

@@ -120,8 +120,8 @@ class Settings(BaseSettings):
         default=64,
         ge=1,
         le=100_000,
-        description="Streams (followed events and logs) one API key holds at once, per API process; more get "
-        "429. Not for the admin key.",
+        description="Streams (followed events and logs) one API key holds at once, in all of the server's "
+        "processes (`--workers`); more get 429. Not for the admin key.",
     )
     stream_recheck_seconds: float = Field(
         default=10.0,

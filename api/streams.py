@@ -6,24 +6,26 @@ process looks for all of them at once, `EventWatch`), a logs follower a thread a
 Kubernetes API. A request's key is checked once, when it starts. So:
 
 - one API key follows at most `max_streams_per_key` at once (the bootstrap admin key and the keyless
-  single-user mode only the totals): one client that opens streams in a loop cannot take them all;
-- at most `max_event_followers` and `max_log_followers` in all: more are refused with 429 and
-  `Retry-After`, not left waiting;
+  single-user mode only the totals): one client that opens streams in a loop cannot take them all. Counted
+  over all of `tputune serve --workers N`'s processes (`SharedKeyStreams`), per replica;
+- at most `max_event_followers` and `max_log_followers` in all, per API process (what each process can
+  carry): more are refused with 429 and `Retry-After`, not left waiting;
 - a stream whose key is revoked meanwhile ends within `stream_recheck_seconds` (`Streams.watch`): one
   query for all the keys that follow, not one per stream.
-
-Counted per API process (`tputune serve --workers N` allows N times as many).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import struct
 import threading
 import weakref
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -32,6 +34,7 @@ from starlette.types import Receive, Scope, Send
 
 from api.auth import Principal
 from api.errors import ApiError, DatabaseUnavailable
+from api.mapped import MappedFile, digest
 from api.settings import Settings
 
 log = logging.getLogger("api.streams")
@@ -56,6 +59,7 @@ class Stream:
     kind: str
     principal: Principal
     ended: str | None = None
+    shared: bool = False  # (counted in SharedKeyStreams)
     on_end: Callable[[], None] | None = field(default=None, repr=False)
 
     def end(self, reason: str) -> None:
@@ -76,8 +80,11 @@ class Streams:
     """This process's followers: admitted under the caps, let go when their response ends, ended when their
     key is revoked. Admitted on route threads, released and watched on the event loop (hence the lock)."""
 
-    def __init__(self, settings: Settings, gauges: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, settings: Settings, gauges: dict[str, Any] | None = None, shared: SharedKeyStreams | None = None
+    ) -> None:
         self.per_key = settings.max_streams_per_key
+        self.shared = shared  # (a key's streams in the server's other processes too)
         self.caps = {EVENTS: settings.max_event_followers, LOGS: settings.max_log_followers}
         self.recheck_seconds = settings.stream_recheck_seconds
         self.gauges = gauges or {}
@@ -117,14 +124,20 @@ class Streams:
                     "(TPUTUNE_MAX_EVENT_FOLLOWERS); page GET /jobs/{id}/events with `after` instead, or "
                     "follow again later.",
                 )
-            if key not in _UNCHECKED_KEYS and self._keys[key] >= self.per_key:
-                raise _refused(
-                    429,
-                    "too_many_streams",
-                    f"This API key follows {self._keys[key]} streams (job events or logs) now, the most one "
-                    "key may (TPUTUNE_MAX_STREAMS_PER_KEY); close one, or poll instead of following.",
-                )
-            stream = Stream(kind, principal)
+            counted = False
+            if key not in _UNCHECKED_KEYS:
+                held = self._keys[key]
+                if self.shared is not None and held < self.per_key:
+                    across, counted = self.shared.take(key, self.per_key)  # (counted: fewer than per_key)
+                    held = max(held, across)  # (more here if some were not counted: the table was full)
+                if held >= self.per_key:
+                    raise _refused(
+                        429,
+                        "too_many_streams",
+                        f"This API key follows {held} streams (job events or logs) now, the most one key may "
+                        "(TPUTUNE_MAX_STREAMS_PER_KEY); close one, or poll instead of following.",
+                    )
+            stream = Stream(kind, principal, shared=counted)
             self._open.add(stream)
             self._kinds[kind] += 1
             self._keys[key] += 1
@@ -140,6 +153,8 @@ class Streams:
             self._keys[stream.principal.key_id] -= 1
             if not self._keys[stream.principal.key_id]:
                 del self._keys[stream.principal.key_id]
+            if stream.shared and self.shared is not None:
+                self.shared.give(stream.principal.key_id)
         self._gauge(stream.kind, -1)
 
     async def watch(self, valid_keys: Callable[[set[str]], Awaitable[set[str]]]) -> None:
@@ -185,6 +200,89 @@ class Streams:
         gauge = self.gauges.get(kind)
         if gauge is not None:
             gauge.inc(change)
+
+
+STREAMS_FILE = "streams.shared"
+_ROW = struct.Struct("QQQ")  # key hash (0: free), the pid of the process that holds them, how many
+
+
+class SharedKeyStreams:
+    """How many streams each key holds in all of `tputune serve --workers N`'s processes, so that a key's
+    share holds whichever worker its connections reach (the kernel spreads them): rows of (key, process,
+    count) in a file they all map, under flock(2). A process's rows count while it lives: those of a worker
+    killed holding streams (uvicorn starts another) are freed by the next look that finds its pid gone.
+
+    An open-addressed table, sized for every stream the processes may hold at once (`for_settings`); a
+    stream that finds no free row among the `PROBES` after its key's place is counted in its own process
+    only (`take` says so)."""
+
+    PROBES = 64
+
+    def __init__(self, path: Path, rows: int, reset: bool = False) -> None:
+        self.rows = rows
+        self.pid = os.getpid()
+        self._file = MappedFile(path, rows * _ROW.size, reset)
+        with self._file.locked() as table:  # (rows a dead process with this pid left are not this one's)
+            for index, (_, pid, _) in enumerate(_ROW.iter_unpack(table)):
+                if pid == self.pid:
+                    _ROW.pack_into(table, index * _ROW.size, 0, 0, 0)
+
+    @classmethod
+    def for_settings(cls, settings: Settings, reset: bool = False) -> SharedKeyStreams:
+        """The server's table (the supervisor's, `reset` at start, and every worker's)."""
+        most = settings.resolved_workers * (settings.max_event_followers + settings.max_log_followers)
+        return cls(settings.data_dir / STREAMS_FILE, min(max(4096, 2 * most), 1 << 20), reset)
+
+    def take(self, key: str, limit: int) -> tuple[int, bool]:
+        """Count one more stream of `key` if all the processes hold fewer than `limit`: how many they held
+        before, and whether it was counted (False: at the limit, or no free row)."""
+        key_digest = digest(key)
+        with self._file.locked() as table:
+            held, mine, free = 0, None, None
+            for offset in self._window(key_digest):
+                stored, pid, count = _ROW.unpack_from(table, offset)
+                if count and pid != self.pid and not _alive(pid):
+                    _ROW.pack_into(table, offset, 0, 0, 0)  # (its process died holding them)
+                    count = 0
+                if not count:
+                    free = offset if free is None else free
+                elif stored == key_digest:
+                    held += count
+                    if pid == self.pid:
+                        mine = offset
+            if held >= limit:
+                return held, False
+            if mine is not None:
+                _ROW.pack_into(table, mine, key_digest, self.pid, _ROW.unpack_from(table, mine)[2] + 1)
+            elif free is not None:
+                _ROW.pack_into(table, free, key_digest, self.pid, 1)
+            else:
+                return held, False
+        return held, True
+
+    def give(self, key: str) -> None:
+        """One counted stream of `key` fewer (this process's)."""
+        key_digest = digest(key)
+        with self._file.locked() as table:
+            for offset in self._window(key_digest):
+                stored, pid, count = _ROW.unpack_from(table, offset)
+                if stored == key_digest and pid == self.pid and count:
+                    _ROW.pack_into(table, offset, *((key_digest, pid, count - 1) if count > 1 else (0, 0, 0)))
+                    return
+
+    def _window(self, key_digest: int) -> list[int]:
+        """The offsets of the rows `key_digest`'s streams may have."""
+        return [((key_digest + probe) % self.rows) * _ROW.size for probe in range(self.PROBES)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # (another user's: alive)
+    return True
 
 
 @dataclass(eq=False)

@@ -1,7 +1,8 @@
 """`tputune serve --workers N` (api/server.py): N API processes on one port, under a real server.
 
 What is checked: /metrics sums the counts of every worker, whichever one a scrape reaches, and keeps the
-counts of a worker that died (uvicorn replaces it); a key's rate limit holds across the workers; the
+counts of a worker that died (uvicorn replaces it); a key's rate limit, and its share of followed
+streams, hold across the workers; the
 workers and the dispatcher do not outlive a supervisor killed with SIGKILL, and a new server binds the
 port at once; each worker listens on a socket of its own (SO_REUSEPORT, Linux), so connections opened at
 once spread over the workers, and a second server cannot take the same port; a thread dispatcher is
@@ -48,8 +49,9 @@ def metrics_dir(worker: int) -> Path:
     )
 
 
-def served(server: Server, route: str) -> dict[int, float]:
-    """Requests to `route` each worker answered, from its own file in PROMETHEUS_MULTIPROC_DIR."""
+def served(server: Server, route: str, status: str | None = None) -> dict[int, float]:
+    """Requests to `route` each worker answered (with `status`, if given), from its own file in
+    PROMETHEUS_MULTIPROC_DIR."""
     pids = workers(server)
     assert pids, "no worker processes"
     folder = metrics_dir(pids[0])
@@ -61,7 +63,7 @@ def served(server: Server, route: str) -> dict[int, float]:
         for metric in metrics:
             for sample in metric.samples:
                 if sample.name == "tputune_http_requests_total" and sample.labels["route"] == route:
-                    total += sample.value
+                    total += sample.value if status in (None, sample.labels["status"]) else 0
         counts[pid] = total
     return counts
 
@@ -138,6 +140,63 @@ def test_a_keys_rate_limit_holds_across_the_workers(tmp_path: Path, dataset: Pat
         elapsed = time.monotonic() - started
         assert set(codes) == {200, 429}
         assert 10 <= codes.count(200) <= 10 + int(elapsed * 0.5) + 1, (codes.count(200), elapsed)
+
+
+def test_a_keys_share_of_followed_streams_holds_across_the_workers(tmp_path: Path, dataset: Path) -> None:
+    """Each worker used to count a key's streams itself: with two, a key held twice its share."""
+    shared = Server(tmp_path, dataset, workers=2, TPUTUNE_ADMIN_KEY=ADMIN, TPUTUNE_MAX_STREAMS_PER_KEY="3")
+    with shared as server, contextlib.ExitStack() as stack:
+        stack.callback(kill_runs, server.data_dir / "jobs")
+        created = httpx.post(
+            f"{server.url}/admin/keys",
+            json={"tenant": "alpha", "name": "ci"},
+            headers={"Authorization": f"Bearer {ADMIN}"},
+        )
+        assert created.status_code == 201, created.text
+        auth = {"Authorization": f"Bearer {created.json()['key']}"}
+        body = {
+            "name": "followed",
+            "model": "tiny",
+            "dataset_uri": str(dataset),
+            "metadata": {"fake": "slow"},
+        }
+        job_id = httpx.post(f"{server.url}/jobs", json=body, headers=auth, timeout=10).json()["id"]
+        route = "/jobs/{job_id}/events"
+        admitted = []
+        # Follow on new connections until both workers have refused one: a worker refuses only when the
+        # key holds its share, wherever its streams are.
+        for _ in range(400):
+            if len(admitted) == 3 and min(served(server, route, "429").values()) >= 1:
+                break
+            response = stack.enter_context(
+                httpx.stream(
+                    "GET", f"{server.url}/jobs/{job_id}/events", params={"follow": "true"}, headers=auth
+                )
+            )
+            if response.status_code == 200:
+                admitted.append(response)
+                assert len(admitted) <= 3
+                continue
+            response.read()
+            assert response.status_code == 429 and response.json()["error"]["code"] == "too_many_streams"
+            assert "follows 3 streams" in response.json()["error"]["message"]
+            response.close()
+        else:
+            raise AssertionError(f"not refused by both workers: {served(server, route, '429')}")
+        # A stream let go gives its place back to the key, on whichever worker.
+        admitted.pop().close()
+        deadline = time.monotonic() + 10
+        while True:
+            again = stack.enter_context(
+                httpx.stream(
+                    "GET", f"{server.url}/jobs/{job_id}/events", params={"follow": "true"}, headers=auth
+                )
+            )
+            if again.status_code == 200:
+                break
+            assert again.status_code == 429 and time.monotonic() < deadline
+            again.close()
+            time.sleep(0.1)
 
 
 def test_workers_and_dispatcher_die_with_a_killed_supervisor(two_workers: Server) -> None:

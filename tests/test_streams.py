@@ -1,9 +1,12 @@
 """Followed streams (`GET /jobs/{id}/events?follow=true`) against the real API on both databases: one key's
-share and the server's cap, and the streams of a revoked key ending (api.streams)."""
+share and the server's cap, and the streams of a revoked key ending (api.streams). And a key's share in
+the file `tputune serve --workers N`'s processes share (SharedKeyStreams; the server in
+test_serve_workers), with real processes alive and dead."""
 
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -12,11 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from sqlalchemy import update
 
+from api.auth import Principal
 from api.client import ApiError, Client
+from api.errors import ApiError as Refused
 from api.models import ApiKey
-from api.streams import SHUTDOWN
+from api.settings import Settings
+from api.streams import EVENTS, LOGS, SHUTDOWN, SharedKeyStreams, Streams
 from tests.conftest import LiveApi
 
 ADMIN = "admin-secret-0123456789"
@@ -254,3 +261,70 @@ def test_a_server_shutting_down_ends_its_streams_plainly_and_admits_no_more(
         assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
         assert late.headers["retry-after"] == "1"
     wait_gauge(api, "tputune_event_followers", 0)
+
+
+def test_a_keys_streams_count_in_every_process_while_it_lives(tmp_path: Path) -> None:
+    path = tmp_path / "streams.shared"
+    here = SharedKeyStreams(path, rows=4096, reset=True)
+    there = SharedKeyStreams(path, rows=4096)
+    process = subprocess.Popen(["sleep", "120"])
+    there.pid = process.pid  # (its rows are a real, live process's)
+    try:
+        assert here.take("key", 3) == (0, True)
+        assert there.take("key", 3) == (1, True)
+        assert there.take("key", 3) == (2, True)
+        assert here.take("key", 3) == (3, False)  # the share holds whichever process asks
+        assert there.take("other key", 3) == (0, True)  # (a share is a key's)
+        here.give("key")  # (only this process's stream: it held none counted)
+        assert here.take("key", 3) == (2, True)
+        there.give("key")
+        assert here.take("key", 3) == (2, True)
+        assert here.take("key", 3) == (3, False)
+        process.kill()
+        process.wait()
+        # The process died holding a stream of each key: its rows no longer count, and are freed.
+        assert here.take("key", 3) == (2, True)
+        assert here.take("other key", 1) == (0, True)
+        # A new process that has the pid of a dead one (here: this one's) starts with none of its rows.
+        again = SharedKeyStreams(path, rows=4096)
+        assert again.take("key", 0) == (0, False)
+        # A new server starts from an empty table, whatever the last one's processes held.
+        process = subprocess.Popen(["sleep", "120"])
+        there.pid = process.pid
+        assert there.take("key", 3) == (0, True)
+        assert again.take("key", 0) == (1, False)
+        SharedKeyStreams(path, rows=4096, reset=True)
+        assert again.take("key", 0) == (0, False)
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_key_whose_rows_are_full_is_counted_in_its_process(tmp_path: Path) -> None:
+    """The table is sized for every stream the processes may hold; if a key still finds no free row near
+    its place, its stream is counted in this process only, and given back there."""
+    process = subprocess.Popen(["sleep", "120"])
+    try:
+        table = SharedKeyStreams(tmp_path / "streams.shared", rows=SharedKeyStreams.PROBES, reset=True)
+        crowd = SharedKeyStreams(tmp_path / "streams.shared", rows=SharedKeyStreams.PROBES)
+        crowd.pid = process.pid
+        for index in range(SharedKeyStreams.PROBES):
+            assert crowd.take(f"key {index}", 1) == (0, True)
+        assert table.take("full", 5) == (0, False)
+        settings = Settings(max_streams_per_key=2, data_dir=tmp_path)
+        streams = Streams(settings, shared=table)
+        principal = Principal("team", "full")
+        held = [streams.admit(EVENTS, principal), streams.admit(LOGS, principal)]
+        assert not any(stream.shared for stream in held)
+        with pytest.raises(Refused) as refusal:
+            streams.admit(EVENTS, principal)
+        assert refusal.value.code == "too_many_streams"
+        streams.release(held[0])
+        # The crowd's rows are untouched by this process's give backs, and a freed row is used again.
+        crowd.give("key 0")
+        again = streams.admit(EVENTS, principal)
+        assert again.shared and table.take("full", 0) == (1, False)
+        assert crowd.take("key 1", 1) == (1, False)
+    finally:
+        process.kill()
+        process.wait()
