@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -34,8 +35,10 @@ Errors always look like `{"error": {"code": "...", "message": "...", "param": ".
 """
 
 
-class BodySizeLimit:
-    """Refuse bodies over the limit with 413, whether or not the client sent Content-Length."""
+class RequestLimits:
+    """Refuse bodies over the limit with 413, whether or not the client sent Content-Length; and a path or
+    query with the NUL character (%00) with 422: PostgreSQL's text cannot hold it (a job id, a cursor, a
+    metadata filter), and the error is the same on SQLite. (JSON bodies: worker.config.Text.)"""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -45,11 +48,16 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if "\x00" in scope["path"] or b"%00" in scope["query_string"] or b"\x00" in scope["query_string"]:
+            where = "path" if "\x00" in scope["path"] else "query"
+            text = f"The request's {where} contains the NUL character (%00); remove it."
+            await self._reject(send, 422, "nul_character", text, where)
+            return
         chunked = False
         for name, value in scope["headers"]:
             if name == b"content-length":
                 if value.isdigit() and int(value) > self.max_bytes:
-                    await self._reject(send)
+                    await self._too_large(send)
                     return
                 await self.app(scope, receive, send)  # the server holds the body to its declared length
                 return
@@ -67,7 +75,7 @@ class BodySizeLimit:
                 break
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
-                await self._reject(send)
+                await self._too_large(send)
                 return
             if not message.get("more_body", False):
                 break
@@ -77,16 +85,19 @@ class BodySizeLimit:
 
         await self.app(scope, replay, send)
 
-    async def _reject(self, send: Send) -> None:
-        body = (
-            b'{"error":{"code":"body_too_large","message":"The request body is larger than '
-            + str(self.max_bytes).encode()
-            + b' bytes; send less.","param":null}}'
-        )
+    async def _too_large(self, send: Send) -> None:
+        message = f"The request body is larger than {self.max_bytes} bytes; send less."
+        await self._reject(send, 413, "body_too_large", message)
+
+    @staticmethod
+    async def _reject(send: Send, status: int, code: str, message: str, param: str | None = None) -> None:
+        body = json.dumps(
+            {"error": {"code": code, "message": message, "param": param}}, separators=(",", ":")
+        ).encode()
         await send(
             {
                 "type": "http.response.start",
-                "status": 413,
+                "status": status,
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()),
@@ -189,7 +200,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
     serve_directly(app, jobs.create_job, jobs.get_job, health.healthz)
     app.add_middleware(DirectLane, fastapi_app=app)
     app.add_middleware(CloseSessions)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestLimits, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestContext, metrics=metrics, log_requests=settings.access_log, load=load)
     logging.getLogger("api").setLevel(settings.log_level.upper())
     return app

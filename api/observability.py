@@ -198,6 +198,8 @@ class RequestContext:
         if not access_log.isEnabledFor(logging.INFO):
             return
         path = scope.get("root_path", "") + scope["path"]  # no query string: it may hold what users typed
+        if not path.isprintable():  # (%0A in a path would start a line of its own in the text log)
+            path = "".join(c if c.isprintable() else f"%{ord(c):02X}" for c in path)
         client = scope.get("client")
         address = f"{client[0]}:{client[1]}" if client else "-"
         http = {"method": method, "path": path, "status": status, "ms": round(elapsed * 1000, 1)}

@@ -82,6 +82,19 @@ def test_unknown_job_is_404(client: TestClient) -> None:
         ),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, 422, "invalid_request", "metadata"),
         ({"surprise": 1}, 422, "invalid_request", "surprise"),
+        # PostgreSQL's text cannot hold NUL (it was a 500 there, and the paths a 500 on both databases).
+        ({"name": "a\x00b"}, 422, "nul_character", "name"),
+        ({"metadata": {"team\x00": "x"}}, 422, "nul_character", "metadata"),
+        ({"metadata": {"team": "x\x00"}}, 422, "nul_character", "metadata"),
+        ({"dataset_uri": "{root}/tr\x00ain.txt"}, 422, "nul_character", "dataset_uri"),
+        ({"output_uri": "{root}/out\x00"}, 422, "nul_character", "output_uri"),
+        ({"sample_prompts": ["Once\x00"]}, 422, "nul_character", "sample_prompts.0"),
+        (
+            {"resources": {"accelerator": "v6e", "topology": "2x\x004"}},
+            422,
+            "nul_character",
+            "resources.topology",
+        ),
     ],
 )
 def test_bad_input_gets_a_clear_4xx(
@@ -98,6 +111,29 @@ def test_bad_input_gets_a_clear_4xx(
     if param is not None:
         assert error["param"] == param
     assert client.get("/jobs").json()["data"] == []
+
+
+@pytest.mark.parametrize(
+    ("path", "where"),
+    [
+        ("/jobs/ft-%00", "path"),
+        ("/jobs/ft-%00/events", "path"),
+        ("/jobs?after=ft-%00", "query"),
+        ("/jobs?metadata[team]=a%00", "query"),
+        ("/jobs/ft-x/events?type=%00", "query"),
+        ("/admin/keys/%00", "path"),
+    ],
+)
+def test_a_nul_character_in_the_path_or_query_is_422(client: TestClient, path: str, where: str) -> None:
+    """A job id, cursor or filter with NUL was a 500 on PostgreSQL (its text cannot hold it)."""
+    response = client.request("DELETE" if path.startswith("/admin") else "GET", path)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"] == {
+        "code": "nul_character",
+        "message": f"The request's {where} contains the NUL character (%00); remove it.",
+        "param": where,
+    }
+    assert client.get("/jobs?metadata[team]=%2500").status_code == 200  # (an escaped '%00' is text)
 
 
 def test_missing_fields_are_all_named(client: TestClient) -> None:

@@ -139,6 +139,10 @@ def test_keys_are_hashed_listed_and_revocable(auth_client: TestClient, dataset: 
     assert revoked.status_code == 200 and revoked.json()["revoked_at"]
     assert auth_client.get("/jobs", headers=bearer(key)).status_code == 401
     assert auth_client.delete("/admin/keys/key_nope", headers=bearer(ADMIN)).status_code == 404
+    # A name PostgreSQL's text cannot hold (NUL) is refused on both databases; it was a 500 there.
+    nul = auth_client.post("/admin/keys", json={"tenant": "alpha", "name": "ci\x00"}, headers=bearer(ADMIN))
+    assert nul.status_code == 422 and nul.json()["error"]["code"] == "nul_character", nul.text
+    assert nul.json()["error"]["param"] == "name"
 
 
 def test_worker_token_cannot_read_or_cancel(auth_client: TestClient, dataset: Path) -> None:

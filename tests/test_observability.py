@@ -90,6 +90,14 @@ def test_access_log_a_line_per_request_with_its_request_id(client: TestClient) -
     assert lines[0]["http"]["ms"] >= 0 and "GET /healthz 200" in lines[0]["message"]
 
 
+def test_access_log_lines_cannot_be_forged_through_the_path(client: TestClient) -> None:
+    """A path's control characters (%0A, a new line in the text log) are written escaped, as sent."""
+    lines = _capture_json_logs(lambda: client.get("/jobs/x%0A127.0.0.1:1 GET /admin 200%09%00"))
+    access = [line for line in lines if line["logger"] == "tputune.access"]
+    assert [line["http"]["path"] for line in access] == ["/jobs/x%0A127.0.0.1:1 GET /admin 200%09%00"]
+    assert "\n" not in access[0]["message"] and access[0]["http"]["status"] == 422
+
+
 def test_access_log_can_be_turned_off(make_settings: Callable[..., Settings]) -> None:
     app = create_app(make_settings(dispatcher_enabled=False, access_log=False))
     with TestClient(app) as client:

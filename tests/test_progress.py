@@ -135,6 +135,36 @@ def test_bad_reports_are_422(client: TestClient, dataset: Path) -> None:
     assert job["progress"]["step"] == 1 and job["metrics"]["loss"] is None
 
 
+def test_a_nul_character_in_a_report_is_stored_as_a_replacement_character(
+    client: TestClient, dataset: Path
+) -> None:
+    """A sample decoded from a byte token, or a message quoting the data, may hold NUL, which PostgreSQL's
+    text cannot: the batch was a 500, retried and lost. It is stored, with U+FFFD in place of NUL."""
+    job_id, token = started_job(client, dataset)
+    reports = [
+        {
+            "kind": "sample",
+            "step": 0,
+            "key": "0\x00",
+            "phase": "before",
+            "prompt": "Once\x00",
+            "text": "a\x00b",
+        },
+        {"kind": "warning", "step": 1, "message": "line 3: \x00 in the text"},
+        {"kind": "checkpoint", "step": 1, "uri": f"{dataset.parent}/ckpt\x00/1"},
+    ]
+    response = post(client, job_id, token, reports)
+    assert response.status_code == 200, response.text
+    assert response.json()["accepted"] == 3
+    events = client.get(f"/jobs/{job_id}/events", params={"type": ["sample", "warning"]}).json()["data"]
+    sample = next(event for event in events if event["type"] == "sample")
+    assert sample["data"]["prompt"] == "Once\ufffd" and sample["data"]["text"] == "a\ufffdb"
+    assert any(event["message"] == "line 3: \ufffd in the text" for event in events)
+    checkpoints = client.get(f"/jobs/{job_id}/checkpoints").json()["data"]
+    assert [c["uri"] for c in checkpoints] == [f"{dataset.parent}/ckpt\ufffd/1"]
+    assert post(client, job_id, token, reports[:1]).json()["duplicates"] == 1  # (its key, replaced alike)
+
+
 def test_cancelling_is_visible_to_the_worker(client: TestClient, dataset: Path) -> None:
     job_id, token = started_job(client, dataset)
     post(client, job_id, token, [metrics(1, 1.0)])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import posixpath
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 GEMMA3_SIZES = ("270m", "1b", "4b", "12b", "27b")
@@ -28,6 +28,16 @@ EXIT_PREEMPTED = 75  # SIGTERM: a checkpoint was saved, restart and resume
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
+
+
+def check_text(value: str) -> str:
+    """Refuse the NUL character: PostgreSQL's text cannot hold it (SQLite's can), and a path cannot."""
+    if "\x00" in value:
+        raise PydanticCustomError("nul_character", "must not contain the NUL character (\\u0000); remove it")
+    return value
+
+
+Text = Annotated[str, AfterValidator(check_text)]
 
 
 class _Strict(BaseModel):
@@ -90,7 +100,7 @@ class Resources(_Strict):
     accelerator: Literal["v5e", "v5p", "v6e"] | None = Field(
         default=None, description="TPU generation (Kubernetes executor)."
     )
-    topology: str | None = Field(
+    topology: Text | None = Field(
         default=None, description="TPU slice topology, e.g. `2x4` or `2x2x2` (Kubernetes executor)."
     )
     slices: Annotated[int, Field(ge=1, le=64)] = 1
@@ -113,6 +123,7 @@ def check_uri(value: str) -> str:
 
     Errors carry a stable code (the pydantic error type), which the API returns as the error code.
     """
+    check_text(value)
     if value.startswith("gs://"):
         bucket, _, path = value[len("gs://") :].partition("/")
         if not bucket or not path.strip("/"):
@@ -151,7 +162,7 @@ Uri = Annotated[str, Field(min_length=1, max_length=2048)]
 class JobSpec(_Strict):
     """A fine-tuning job as submitted to `POST /jobs`."""
 
-    name: Annotated[str, Field(min_length=1, max_length=128)]
+    name: Annotated[Text, Field(min_length=1, max_length=128)]
     model: str = Field(description="`gemma3-{270m,1b,4b,12b,27b}-{pt,it}` (or `tiny` where enabled).")
     base_checkpoint_uri: Uri | None = Field(
         default=None,
@@ -175,7 +186,7 @@ class JobSpec(_Strict):
         default=None, description="Where checkpoints and the final weights go; default a per-job location."
     )
     sample_prompts: Annotated[
-        list[Annotated[str, Field(min_length=1, max_length=2000)]], Field(max_length=8)
+        list[Annotated[Text, Field(min_length=1, max_length=2000)]], Field(max_length=8)
     ] = Field(default_factory=lambda: [DEFAULT_SAMPLE_PROMPT])
     metadata: dict[str, str] = Field(default_factory=dict, description="Up to 16 string pairs of your own.")
 
@@ -210,6 +221,8 @@ class JobSpec(_Strict):
                 raise ValueError(f"metadata keys must be 1-{MAX_METADATA_KEY} characters")
             if len(item) > MAX_METADATA_VALUE:
                 raise ValueError(f"metadata values must be at most {MAX_METADATA_VALUE} characters")
+            check_text(key)
+            check_text(item)
         return value
 
     @model_validator(mode="after")

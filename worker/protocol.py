@@ -19,6 +19,9 @@ Kinds:
 - `result`:     the final figures and the output URI; the worker then exits 0.
 - `error`:      why the run failed (`code`, `message`); the worker then exits non-zero.
 - `warning`:    something the user should know that does not stop the run.
+
+Text (messages, samples, keys, URIs) may hold any character; a NUL is stored as U+FFFD (PostgreSQL's
+text cannot hold it), not refused: the batch is not lost.
 """
 
 from __future__ import annotations
@@ -26,18 +29,27 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 MAX_REPORTS_PER_BATCH = 1000
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
+def _replace_nul(value: object) -> object:
+    return value.replace("\x00", "\ufffd") if isinstance(value, str) else value
+
+
+# The worker's text: a NUL (a sample decoded from a byte token, a message quoting the data) is replaced
+# with U+FFFD, not refused: PostgreSQL's text cannot hold it, and a refused batch would lose its reports.
+Reported = Annotated[str, BeforeValidator(_replace_nul)]
+
+
 class _Report(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     step: Annotated[int, Field(ge=0)] = 0
-    key: Annotated[str, Field(max_length=64)] = Field(
+    key: Annotated[Reported, Field(max_length=64)] = Field(
         default="", description="Tells apart reports of one kind at one step (e.g. one per prompt)."
     )
     time: float | None = Field(default=None, description="Unix time the worker made the report.")
@@ -46,7 +58,7 @@ class _Report(BaseModel):
 class StatusReport(_Report):
     kind: Literal["status"] = "status"
     phase: Literal["loading", "compiling", "training", "evaluating", "saving", "exporting"] | None = None
-    message: Annotated[str, Field(max_length=2000)]
+    message: Annotated[Reported, Field(max_length=2000)]
 
 
 class MetricsReport(_Report):
@@ -77,7 +89,7 @@ class EvalReport(_Report):
 
 class CheckpointReport(_Report):
     kind: Literal["checkpoint"] = "checkpoint"
-    uri: Annotated[str, Field(min_length=1, max_length=2048)]
+    uri: Annotated[Reported, Field(min_length=1, max_length=2048)]
     loss: Finite | None = None
     eval_loss: Finite | None = None
 
@@ -85,13 +97,13 @@ class CheckpointReport(_Report):
 class SampleReport(_Report):
     kind: Literal["sample"] = "sample"
     phase: Literal["before", "after"]
-    prompt: Annotated[str, Field(max_length=4000)]
-    text: Annotated[str, Field(max_length=20000)]
+    prompt: Annotated[Reported, Field(max_length=4000)]
+    text: Annotated[Reported, Field(max_length=20000)]
 
 
 class ResultReport(_Report):
     kind: Literal["result"] = "result"
-    output_uri: Annotated[str, Field(max_length=2048)] | None = None
+    output_uri: Annotated[Reported, Field(max_length=2048)] | None = None
     loss: Finite | None = None
     eval_loss: Finite | None = None
     trained_tokens: Annotated[int, Field(ge=0)] | None = None
@@ -100,13 +112,13 @@ class ResultReport(_Report):
 
 class ErrorReport(_Report):
     kind: Literal["error"] = "error"
-    code: Annotated[str, Field(min_length=1, max_length=64)]
-    message: Annotated[str, Field(max_length=4000)]
+    code: Annotated[Reported, Field(min_length=1, max_length=64)]
+    message: Annotated[Reported, Field(max_length=4000)]
 
 
 class WarningReport(_Report):
     kind: Literal["warning"] = "warning"
-    message: Annotated[str, Field(max_length=2000)]
+    message: Annotated[Reported, Field(max_length=2000)]
 
 
 Report = Annotated[

@@ -14,13 +14,14 @@ from api.deps import AdminDep, SessionDep, json_response
 from api.errors import ApiError
 from api.models import ApiKey, as_utc, utcnow
 from api.schemas import ErrorResponse, error_responses
+from worker.config import Text
 
 router = APIRouter(tags=["keys"], responses=error_responses(413, 422, 503))
 
 
 class KeyCreate(BaseModel):
     tenant: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9-_.]*$")]
-    name: Annotated[str, Field(min_length=1, max_length=128)]
+    name: Annotated[Text, Field(min_length=1, max_length=128)]
 
     model_config = {"json_schema_extra": {"examples": [{"tenant": "research", "name": "ci pipeline"}]}}
 
