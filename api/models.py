@@ -9,6 +9,9 @@ from sqlalchemy import JSON, BigInteger, Column, DateTime, Index, Integer, Uniqu
 from sqlmodel import Field, SQLModel
 
 from worker.config import JobSpec
+from worker.protocol import MAX_COUNT
+
+MAX_ID = MAX_COUNT  # the largest id (BIGINT); a larger one in a request is refused, not sent to the database
 
 
 def utcnow() -> datetime:

@@ -165,6 +165,26 @@ def test_a_nul_character_in_a_report_is_stored_as_a_replacement_character(
     assert post(client, job_id, token, reports[:1]).json()["duplicates"] == 1  # (its key, replaced alike)
 
 
+def test_numbers_past_what_the_database_holds_are_422(client: TestClient, dataset: Path) -> None:
+    """A step past INTEGER or a count past BIGINT was a 500 on PostgreSQL (on SQLite too, past BIGINT),
+    which the worker retried without end, holding back every report after it."""
+    job_id, token = started_job(client, dataset)
+    for report, param in [
+        ({"kind": "metrics", "step": 2**31, "loss": 1.0}, "step"),
+        ({"kind": "metrics", "step": 1, "total_steps": 2**31}, "total_steps"),
+        ({"kind": "metrics", "step": 1, "trained_tokens": 2**63}, "trained_tokens"),
+        ({"kind": "eval", "step": 1, "eval_loss": 1.0, "eval_tokens": 2**63}, "eval_tokens"),
+        ({"kind": "result", "step": 1, "trained_tokens": 2**70}, "trained_tokens"),
+    ]:
+        response = post(client, job_id, token, [report])
+        assert response.status_code == 422, (report, response.text)
+        assert response.json()["error"]["param"].endswith(param), response.text
+    biggest = {"kind": "metrics", "step": 2**31 - 1, "total_steps": 2**31 - 1, "trained_tokens": 2**63 - 1}
+    assert post(client, job_id, token, [biggest]).status_code == 200
+    job = client.get(f"/jobs/{job_id}").json()
+    assert job["progress"]["step"] == 2**31 - 1 and job["trained_tokens"] == 2**63 - 1
+
+
 def test_cancelling_is_visible_to_the_worker(client: TestClient, dataset: Path) -> None:
     job_id, token = started_job(client, dataset)
     post(client, job_id, token, [metrics(1, 1.0)])

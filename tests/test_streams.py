@@ -6,6 +6,7 @@ test_serve_workers), with real processes alive and dead."""
 from __future__ import annotations
 
 import contextlib
+import socket
 import subprocess
 import threading
 import time
@@ -328,3 +329,29 @@ def test_a_key_whose_rows_are_full_is_counted_in_its_process(tmp_path: Path) -> 
     finally:
         process.kill()
         process.wait()
+
+
+def test_a_last_event_id_that_is_not_an_event_id_is_ignored(
+    live_api: Callable[..., LiveApi], dataset: Path
+) -> None:
+    """'²' (byte 0xB2: headers are Latin-1) is a digit to str.isdigit, not to int(): the followed stream was
+    a 500. An id past every event's (past BIGINT: an OverflowError) follows from the end."""
+    api = live_api(dispatcher_enabled=False)
+    job_id = create_job(api, None, dataset)
+    with api.client() as http:
+        assert http.post(f"/jobs/{job_id}/cancel").status_code == 200  # (ended: its stream ends too)
+    host, port = api.url.removeprefix("http://").split(":")
+    for header, replayed in ((b"\xb2", True), (b"-1", True), (b"99999999999999999999999", False)):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(
+                f"GET /jobs/{job_id}/events?follow=true HTTP/1.1\r\nHost: t\r\nConnection: close\r\n".encode()
+                + b"Last-Event-ID: "
+                + header
+                + b"\r\n\r\n"
+            )
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        assert b"event: end" in answer, answer
+        assert (b"event: status" in answer) == replayed, (header, answer)

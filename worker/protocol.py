@@ -32,6 +32,9 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 MAX_REPORTS_PER_BATCH = 1000
+# What the API's columns hold (PostgreSQL's INTEGER and BIGINT): a report past them is refused (422).
+MAX_STEP = 2**31 - 1
+MAX_COUNT = 2**63 - 1
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -48,7 +51,7 @@ Reported = Annotated[str, BeforeValidator(_replace_nul)]
 class _Report(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    step: Annotated[int, Field(ge=0)] = 0
+    step: Annotated[int, Field(ge=0, le=MAX_STEP)] = 0
     key: Annotated[Reported, Field(max_length=64)] = Field(
         default="", description="Tells apart reports of one kind at one step (e.g. one per prompt)."
     )
@@ -63,13 +66,13 @@ class StatusReport(_Report):
 
 class MetricsReport(_Report):
     kind: Literal["metrics"] = "metrics"
-    total_steps: Annotated[int, Field(ge=1)] | None = None
+    total_steps: Annotated[int, Field(ge=1, le=MAX_STEP)] | None = None
     epoch: Annotated[float, Field(ge=0)] | None = None
     loss: float | None = Field(default=None, description="Mean loss over the step's real target tokens.")
     learning_rate: Finite | None = None
     grad_norm: float | None = None
     tokens_per_second: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
-    trained_tokens: Annotated[int, Field(ge=0)] | None = Field(
+    trained_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] | None = Field(
         default=None, description="Non-pad target tokens trained on so far (all processes)."
     )
     eta_seconds: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
@@ -84,7 +87,7 @@ class MetricsReport(_Report):
 class EvalReport(_Report):
     kind: Literal["eval"] = "eval"
     eval_loss: Finite
-    eval_tokens: Annotated[int, Field(ge=0)] | None = None
+    eval_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] | None = None
 
 
 class CheckpointReport(_Report):
@@ -106,7 +109,7 @@ class ResultReport(_Report):
     output_uri: Annotated[Reported, Field(max_length=2048)] | None = None
     loss: Finite | None = None
     eval_loss: Finite | None = None
-    trained_tokens: Annotated[int, Field(ge=0)] | None = None
+    trained_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] | None = None
     train_seconds: Annotated[float, Field(ge=0)] | None = None
 
 

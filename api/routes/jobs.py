@@ -25,6 +25,7 @@ from api.deps import (
 )
 from api.errors import ApiError, DatabaseUnavailable, json_body, not_found, read_json_body
 from api.executors import FollowsLogs, LogStream
+from api.models import MAX_ID
 from api.schemas import (
     EXAMPLE_JOB,
     CheckpointList,
@@ -42,7 +43,8 @@ from api.schemas import (
 )
 from api.states import JobStatus, is_final
 from api.streams import EVENTS, LOGS, REVOKED, EventWatch, Followed, Stream, Streams
-from worker.protocol import ProgressAck, ProgressBatch
+from worker.config import MAX_METADATA_PAIRS
+from worker.protocol import MAX_STEP, ProgressAck, ProgressBatch
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], responses=error_responses(401, 413, 422, 429, 503))
 _job_token = HTTPBearer(
@@ -131,7 +133,9 @@ async def create_job(request: Request) -> Response:
 async def list_jobs(
     request: Request,
     tenant: TenantDep,
-    status: Annotated[list[JobStatus] | None, Query(description="Only jobs in these statuses.")] = None,
+    status: Annotated[
+        list[JobStatus] | None, Query(max_length=16, description="Only jobs in these statuses.")
+    ] = None,
     after: Annotated[str | None, Query(description="A job id: return the jobs older than it.")] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> Response:
@@ -141,11 +145,19 @@ async def list_jobs(
         match = _METADATA_PARAM.match(name)
         if match:
             metadata[match.group(1)] = value
+    if len(metadata) > MAX_METADATA_PAIRS:  # (each one more to plan: 200 took PostgreSQL 11 s)
+        raise ApiError(
+            422,
+            "too_many_filters",
+            f"At most {MAX_METADATA_PAIRS} metadata[key]=value filters (a job has at most "
+            f"{MAX_METADATA_PAIRS} metadata pairs); this request has {len(metadata)}.",
+            param="metadata",
+        )
     # Read without a worker thread (api.reader), each job's JSON as GET /jobs/{id} makes it (and keeps
     # it): through the thread pool, SQLAlchemy's ORM and the page's model, a page of 50 took 6 ms of CPU at
     # 64 clients, of which under half was the work itself (bench/api_cpu.py).
     listing = service.JobListing(
-        status=[s.value for s in status or []], metadata=metadata, after=after, limit=limit
+        status=sorted({s.value for s in status or []}), metadata=metadata, after=after, limit=limit
     )
     rows, has_more = await request.app.state.job_reader.list_jobs(tenant, listing)
     return Response(_page_json(rows, has_more), media_type="application/json")
@@ -218,13 +230,16 @@ def list_events(
     request: Request,
     session: SessionDep,
     principal: PrincipalDep,
-    after: Annotated[int | None, Query(ge=0, description="An event id: return the events after it.")] = None,
+    after: Annotated[
+        int | None, Query(ge=0, le=MAX_ID, description="An event id: return the events after it.")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     type: Annotated[
         list[str] | None,
         Query(
+            max_length=16,
             description="Only these types: status, launch, metrics, eval, checkpoint, sample, result, "
-            "restart, warning, error."
+            "restart, warning, error.",
         ),
     ] = None,
     follow: Annotated[
@@ -239,23 +254,24 @@ def list_events(
     `message`) when the server stops it (the API key was revoked). One that ends without either (the server
     shutting down) is followed again, after its last event (`Last-Event-ID`)."""
     job = service.get_job(session, principal.tenant, job_id)
+    types = sorted(set(type or []))  # (9,000 `type=x` were 9,000 parameters)
     if follow:
         start = after
-        if last_event_id and last_event_id.isdigit():
-            start = int(last_event_id)
+        if last_event_id and last_event_id.isascii() and last_event_id.isdigit():  # (else: not ours)
+            start = min(int(last_event_id), MAX_ID)
         streams: Streams = request.app.state.streams
         stream = streams.admit(EVENTS, principal)
         # The stream reads through sessions of its own: the request's would hold a pooled connection for
         # as long as the client follows (hours, for a dashboard page left open).
         session.close()
         return Followed(
-            _follow_events(request, stream, job.id, start or 0, type or []),
+            _follow_events(request, stream, job.id, start or 0, types),
             streams,
             stream,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    rows, has_more = service.list_events(session, job, after=after, limit=limit, types=type or [])
+    rows, has_more = service.list_events(session, job, after=after, limit=limit, types=types)
     return json_response(
         EventPage(
             data=[EventPublic.of(e) for e in rows],
@@ -331,8 +347,8 @@ def job_metrics(
     job_id: str,
     session: SessionDep,
     tenant: TenantDep,
-    min_step: Annotated[int | None, Query(ge=0)] = None,
-    max_step: Annotated[int | None, Query(ge=0)] = None,
+    min_step: Annotated[int | None, Query(ge=0, le=MAX_STEP)] = None,
+    max_step: Annotated[int | None, Query(ge=0, le=MAX_STEP)] = None,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
 ) -> Response:
     """Training loss, eval loss, learning rate, grad norm and tokens/s at every reported step."""
