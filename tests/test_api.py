@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -152,6 +153,11 @@ def test_numbers_past_what_the_database_holds_are_422(client: TestClient, datase
         assert response.status_code == 422, (path, response.text)
         assert response.json()["error"]["param"] == param
     assert client.get(f"/jobs/{job_id}/events?after={2**63 - 1}").json()["data"] == []
+    # 1e999 is infinity: PostgreSQL's JSON cannot hold it (a 500), SQLite's stored it.
+    body = json.dumps(job_body(dataset)).replace("}", ', "hyperparameters": {"max_grad_norm": 1e999}}')
+    infinite = client.post("/jobs", content=body, headers={"content-type": "application/json"})
+    assert infinite.status_code == 422, infinite.text
+    assert infinite.json()["error"]["param"] == "hyperparameters.max_grad_norm"
     assert client.get(f"/jobs/{job_id}/metrics?min_step={2**31 - 1}").status_code == 200
     filters = "&".join(f"metadata[k{i}]=v" for i in range(17))
     refused = client.get(f"/jobs?{filters}")

@@ -179,6 +179,28 @@ def test_numbers_past_what_the_database_holds_are_422(client: TestClient, datase
         response = post(client, job_id, token, [report])
         assert response.status_code == 422, (report, response.text)
         assert response.json()["error"]["param"].endswith(param), response.text
+    # Infinity and NaN: PostgreSQL's JSON cannot hold them (a 500), and SQLite's were served to browsers
+    # whose JSON.parse fails on them. A diverged loss or gradient norm is stored as missing, as before.
+    for report, param in [
+        ('{"kind": "metrics", "step": 1, "epoch": Infinity}', "epoch"),
+        ('{"kind": "status", "step": 1, "message": "m", "time": NaN}', "time"),
+        ('{"kind": "result", "step": 1, "train_seconds": Infinity}', "train_seconds"),
+    ]:
+        response = client.post(
+            f"/jobs/{job_id}/progress",
+            content=b'{"reports": [' + report.encode() + b"]}",
+            headers={"Authorization": f"Bearer {token}", "content-type": "application/json"},
+        )
+        assert response.status_code == 422, (report, response.text)
+        assert response.json()["error"]["param"].endswith(param), response.text
+    diverged = client.post(
+        f"/jobs/{job_id}/progress",
+        content=b'{"reports": [{"kind": "metrics", "step": 2, "loss": Infinity, "grad_norm": -Infinity}]}',
+        headers={"Authorization": f"Bearer {token}", "content-type": "application/json"},
+    )
+    assert diverged.status_code == 200, diverged.text
+    point = client.get(f"/jobs/{job_id}/metrics").json()["data"][-1]
+    assert point["step"] == 2 and point["loss"] is None and point["grad_norm"] is None
     biggest = {"kind": "metrics", "step": 2**31 - 1, "total_steps": 2**31 - 1, "trained_tokens": 2**63 - 1}
     assert post(client, job_id, token, [biggest]).status_code == 200
     job = client.get(f"/jobs/{job_id}").json()

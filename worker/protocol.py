@@ -49,7 +49,9 @@ Reported = Annotated[str, BeforeValidator(_replace_nul)]
 
 
 class _Report(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # No infinity or NaN anywhere (PostgreSQL's JSON cannot hold them, nor can a browser's JSON.parse), but
+    # a loss or gradient norm that diverged: stored as missing (see _nan_to_none).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     step: Annotated[int, Field(ge=0, le=MAX_STEP)] = 0
     key: Annotated[Reported, Field(max_length=64)] = Field(
@@ -77,11 +79,11 @@ class MetricsReport(_Report):
     )
     eta_seconds: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
 
-    @field_validator("loss", "grad_norm")
+    @field_validator("loss", "grad_norm", mode="before")
     @classmethod
-    def _nan_to_none(cls, value: float | None) -> float | None:
+    def _nan_to_none(cls, value: object) -> object:
         # A NaN loss is reported as an error report; the metric itself is stored as missing.
-        return None if value is None or not math.isfinite(value) else value
+        return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 class EvalReport(_Report):
