@@ -2,7 +2,7 @@
 
 from api.client import Client
 client = Client()                       # TPUTUNE_API_URL / TPUTUNE_API_KEY, or arguments
-job = client.create_job({"name": "demo", "model": "gemma3-270m-pt", "dataset_uri": "gs://b/train.txt"})
+job = client.create_job({"name": "demo", "model": "gemma3-270m-pt", "dataset_uri": "gs://my-bucket/train.txt"})
 for event in client.follow_events(job["id"]):
     print(event["type"], event["message"])
 """

@@ -67,6 +67,12 @@ def test_unknown_job_is_404(client: TestClient) -> None:
         ({"dataset_uri": "relative/x.txt"}, 422, "invalid_uri", "dataset_uri"),
         ({"dataset_uri": "{root}/x.csv"}, 422, "unsupported_dataset_format", "dataset_uri"),
         ({"dataset_uri": "gs://bucket-only"}, 422, "invalid_uri", "dataset_uri"),
+        # The pods mount each bucket at /gcs/<bucket>: a bad name, or '..', failed there (or escaped).
+        ({"dataset_uri": "gs://My Bucket/x.txt"}, 422, "invalid_uri", "dataset_uri"),
+        ({"dataset_uri": "gs://ab/x.txt"}, 422, "invalid_uri", "dataset_uri"),
+        ({"dataset_uri": "gs://../etc/x.txt"}, 422, "invalid_uri", "dataset_uri"),
+        ({"dataset_uri": "gs://data/../other/x.txt"}, 422, "path_traversal", "dataset_uri"),
+        ({"output_uri": "gs://data/./out"}, 422, "path_traversal", "output_uri"),
         ({"method": {"type": "full", "lora_rank": 4}}, 422, "invalid_request", "method"),
         ({"hyperparameters": {"learning_rate": -1}}, 422, "invalid_request", "hyperparameters.learning_rate"),
         (
@@ -167,6 +173,16 @@ def test_numbers_past_what_the_database_holds_are_422(client: TestClient, datase
     tagged_id = client.post("/jobs", json=tagged).json()["id"]
     sixteen = "&".join(f"metadata[k{i}]=v" for i in range(16))
     assert [job["id"] for job in client.get(f"/jobs?{sixteen}").json()["data"]] == [tagged_id]
+
+
+def test_bucket_names_as_cloud_storage_takes_them(client: TestClient, dataset: Path) -> None:
+    for bucket in ("abc", "my-data_1", "data.example.com", "a" * 63, ".".join(["b" * 63] * 3)):
+        body = job_body(dataset, dataset_uri=f"gs://{bucket}/train.txt")
+        assert client.post("/jobs", json=body).status_code == 201, bucket
+    for bucket in ("a" * 64, "-data", "data-", "Data", "da..ta", "da ta"):
+        body = job_body(dataset, dataset_uri=f"gs://{bucket}/train.txt")
+        response = client.post("/jobs", json=body)
+        assert response.status_code == 422 and response.json()["error"]["code"] == "invalid_uri", bucket
 
 
 def test_missing_fields_are_all_named(client: TestClient) -> None:

@@ -8,6 +8,7 @@ TPU catalogue) live in the API; what is checked here holds for every deployment.
 from __future__ import annotations
 
 import posixpath
+import re
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -109,6 +110,7 @@ class Resources(_Strict):
 
 
 DATASET_SUFFIXES = (".txt", ".jsonl", ".parquet")
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")  # (dotted names up to 222, each part up to 63)
 
 
 def check_uri(value: str) -> str:
@@ -124,6 +126,16 @@ def check_uri(value: str) -> str:
                 "invalid_uri",
                 "a gs:// URI needs a bucket and an object path, like gs://bucket/data/train.jsonl",
             )
+        if not _BUCKET.fullmatch(bucket) or ".." in bucket or any(len(p) > 63 for p in bucket.split(".")):
+            # (The pods mount each bucket at /gcs/<bucket>: a bad name failed there, after the wait for TPUs.)
+            raise PydanticCustomError(
+                "invalid_uri",
+                "'{bucket}' is not a Cloud Storage bucket name: 3-63 lowercase letters, digits, '-', '_' or "
+                "'.', starting and ending with a letter or digit",
+                {"bucket": bucket},
+            )
+        if {".", ".."} & set(path.split("/")):
+            raise PydanticCustomError("path_traversal", "a gs:// path must not contain '.' or '..' segments")
         return value
     if "://" in value or value.startswith("file:"):
         scheme = value.split(":", 1)[0]
