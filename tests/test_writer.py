@@ -119,7 +119,7 @@ def test_a_new_jobs_json_is_what_the_model_makes(
     spec = _spec(
         dataset,
         'say "hi" \\ ü 😀',
-        metadata={"k": "</script>\n\t\u0000"},
+        metadata={"k": "</script>\n\t\u0001"},
         method={"type": "full"},
         hyperparameters={"learning_rate": 1e-5, "max_steps": 7, "weight_decay": 0.25},
         output_uri=str(dataset.parent / "out"),
