@@ -3,8 +3,9 @@
 `Reporter.send` never blocks on the network: reports go into a bounded buffer that a background thread
 posts in batches to `POST {api_url}/jobs/{job_id}/progress`, retrying with exponential backoff while the
 API is away. When the buffer is full the oldest metrics go first, then other minor reports; results and
-errors are never dropped. Every report is also written to stdout as one JSON line, so the run's log tells
-its progress; without an API URL (standalone) that is all that happens.
+errors are never dropped. A batch over the API's body limit (413) is sent again in halves. Every report
+is also written to stdout as one JSON line, so the run's log tells its progress; without an API URL
+(standalone) that is all that happens.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Reporter:
         self.min_backoff = min_backoff
         self.max_backoff = max_backoff
         self.dropped = 0
+        self.batch_size = MAX_REPORTS_PER_BATCH  # (halved while the API finds a batch too large)
         self._url = f"{api_url.rstrip('/')}/jobs/{job_id}/progress" if api_url and enabled else None
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = request_timeout
@@ -131,12 +133,17 @@ class Reporter:
                 while True:
                     with self._lock:
                         batch = [
-                            self._buffer.popleft()
-                            for _ in range(min(len(self._buffer), MAX_REPORTS_PER_BATCH))
+                            self._buffer.popleft() for _ in range(min(len(self._buffer), self.batch_size))
                         ]
                     if not batch:
                         break
-                    if self._post(client, batch):
+                    done = self._post(client, batch)
+                    if done is None:  # over the API's body limit: again, in halves
+                        with self._lock:
+                            self._buffer.extendleft(reversed(batch))
+                        self.batch_size = max(1, len(batch) // 2)
+                        continue
+                    if done:
                         failures = 0
                         continue
                     with self._lock:
@@ -153,8 +160,11 @@ class Reporter:
         # Jitter keeps the workers of many jobs from retrying in lockstep after an API restart.
         return min(self.max_backoff, self.min_backoff * 2 ** (failures - 1)) * random.uniform(0.8, 1.2)
 
-    def _post(self, client: httpx.Client, batch: list[Report]) -> bool:
-        """POST one batch; True when it is done with (delivered, or refused for good), False to retry."""
+    def _post(self, client: httpx.Client, batch: list[Report]) -> bool | None:
+        """POST one batch; True when it is done with (delivered, or refused for good), False to retry, None
+        if it is too large (413) and can be split. Many long reports (status messages of up to 2,000
+        characters, samples of up to 20,000) could add up past the API's limit (1 MiB by default), and the
+        whole batch was dropped."""
         assert self._url is not None
         body = ProgressBatch(reports=batch).model_dump_json(exclude_none=True)
         try:
@@ -170,6 +180,9 @@ class Reporter:
             if status in ("cancelling", "cancelled"):
                 self._cancel.set()
             return True
+        if response.status_code == 413 and len(batch) > 1:
+            log.info("%d progress reports are over the API's body limit; sending them in halves", len(batch))
+            return None
         if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
             log.error(
                 "the API refused %d progress reports (%d): %s",

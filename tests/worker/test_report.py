@@ -28,6 +28,8 @@ class ProgressApi:
         self.requests: list[dict[str, Any]] = []
         self.status_code = 200
         self.job_status = "running"
+        self.max_body_bytes: int | None = None  # (over it: 413, as the API's RequestLimits)
+        self.too_large = 0
         self._server: ThreadingHTTPServer | None = None
 
     @property
@@ -39,7 +41,15 @@ class ProgressApi:
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                length = int(self.headers["Content-Length"])
+                if api.max_body_bytes is not None and length > api.max_body_bytes:
+                    self.rfile.read(length)
+                    api.too_large += 1
+                    self.send_response(413)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                body = json.loads(self.rfile.read(length))
                 ProgressBatch.model_validate(body)  # the worker speaks the contract
                 api.requests.append(
                     {"path": self.path, "auth": self.headers.get("Authorization"), "body": body}
@@ -162,6 +172,39 @@ def test_a_batch_the_api_refuses_for_good_is_not_retried(api: ProgressApi) -> No
 
     assert sender.close(timeout=5)
     assert len(api.requests) == 1
+
+
+def test_a_batch_over_the_apis_body_limit_is_sent_in_halves(api: ProgressApi) -> None:
+    """A batch the API finds too large (413) was refused for good: every report in it was lost."""
+    api.start()
+    api.max_body_bytes = 20_000
+    sender = reporter(api, flush_interval=0.5)
+    for step in range(1, 201):
+        sender.send(metrics(step))
+        sender.send(StatusReport(step=step, message="m" * 300))
+    sender.send(StatusReport(step=201, message="x" * 2000))
+    sender.send(ResultReport(step=201, loss=1.0))
+
+    assert sender.close(timeout=20)
+    assert api.too_large >= 1 and sender.batch_size < 401
+    assert [(r["kind"], r["step"]) for r in api.reports] == [
+        *((kind, step) for step in range(1, 201) for kind in ("metrics", "status")),
+        ("status", 201),
+        ("result", 201),
+    ]
+    assert all(len(json.dumps(request["body"])) <= 20_000 for request in api.requests)
+
+
+def test_a_single_report_over_the_limit_is_dropped_and_the_rest_go(api: ProgressApi) -> None:
+    api.start()
+    api.max_body_bytes = 2_000
+    sender = reporter(api, flush_interval=0.5)
+    sender.send(metrics(1))
+    sender.send(StatusReport(step=1, message="y" * 1999))
+    sender.send(metrics(2))
+
+    assert sender.close(timeout=10)
+    assert [(r["kind"], r["step"]) for r in api.reports] == [("metrics", 1), ("metrics", 2)]
 
 
 def test_standalone_only_writes_json_lines() -> None:
