@@ -3,9 +3,9 @@
 `Reporter.send` never blocks on the network: reports go into a bounded buffer that a background thread
 posts in batches to `POST {api_url}/jobs/{job_id}/progress`, retrying with exponential backoff while the
 API is away. When the buffer is full the oldest metrics go first, then other minor reports; results and
-errors are never dropped. A batch over the API's body limit (413) is sent again in halves. Every report
-is also written to stdout as one JSON line, so the run's log tells its progress; without an API URL
-(standalone) that is all that happens.
+errors are never dropped. A batch the API refuses whole (413, 422) goes again in halves, down to the
+reports it refuses. Every report is also written to stdout as one JSON line, so the run's log tells its
+progress; without an API URL (standalone) that is all that happens.
 """
 
 from __future__ import annotations
@@ -137,13 +137,7 @@ class Reporter:
                         ]
                     if not batch:
                         break
-                    done = self._post(client, batch)
-                    if done is None:  # over the API's body limit: again, in halves
-                        with self._lock:
-                            self._buffer.extendleft(reversed(batch))
-                        self.batch_size = max(1, len(batch) // 2)
-                        continue
-                    if done:
+                    if self._post(client, batch):
                         failures = 0
                         continue
                     with self._lock:
@@ -160,11 +154,14 @@ class Reporter:
         # Jitter keeps the workers of many jobs from retrying in lockstep after an API restart.
         return min(self.max_backoff, self.min_backoff * 2 ** (failures - 1)) * random.uniform(0.8, 1.2)
 
-    def _post(self, client: httpx.Client, batch: list[Report]) -> bool | None:
-        """POST one batch; True when it is done with (delivered, or refused for good), False to retry, None
-        if it is too large (413) and can be split. Many long reports (status messages of up to 2,000
-        characters, samples of up to 20,000) could add up past the API's limit (1 MiB by default), and the
-        whole batch was dropped."""
+    def _post(self, client: httpx.Client, batch: list[Report]) -> bool:
+        """POST one batch; True when it is done with (delivered, or refused for good), False to retry.
+
+        A batch the API refuses whole, as too large (413) or invalid (422), goes again in halves, down to
+        the reports it refuses: those alone are dropped. It was all dropped: up to 1,000 reports, a gap in
+        the loss history (long status messages and samples can add up past the API's 1 MiB limit, and an
+        API newer than the worker image may refuse what the image sends). A half delivered before a
+        failure is sent again with the batch: the API stores each report once."""
         assert self._url is not None
         body = ProgressBatch(reports=batch).model_dump_json(exclude_none=True)
         try:
@@ -180,9 +177,16 @@ class Reporter:
             if status in ("cancelling", "cancelled"):
                 self._cancel.set()
             return True
-        if response.status_code == 413 and len(batch) > 1:
-            log.info("%d progress reports are over the API's body limit; sending them in halves", len(batch))
-            return None
+        if response.status_code in (413, 422) and len(batch) > 1:
+            if response.status_code == 413:
+                self.batch_size = min(self.batch_size, max(1, len(batch) // 2))
+            log.info(
+                "the API refused %d progress reports (%d); sending them in halves",
+                len(batch),
+                response.status_code,
+            )
+            half = len(batch) // 2
+            return self._post(client, batch[:half]) and self._post(client, batch[half:])
         if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
             log.error(
                 "the API refused %d progress reports (%d): %s",

@@ -30,6 +30,7 @@ class ProgressApi:
         self.job_status = "running"
         self.max_body_bytes: int | None = None  # (over it: 413, as the API's RequestLimits)
         self.too_large = 0
+        self.refused_message: str | None = None  # (a batch with a status report saying it: 422)
         self._server: ThreadingHTTPServer | None = None
 
     @property
@@ -50,6 +51,12 @@ class ProgressApi:
                     self.end_headers()
                     return
                 body = json.loads(self.rfile.read(length))
+                refused = api.refused_message
+                if refused is not None and any(r.get("message") == refused for r in body["reports"]):
+                    self.send_response(422)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 ProgressBatch.model_validate(body)  # the worker speaks the contract
                 api.requests.append(
                     {"path": self.path, "auth": self.headers.get("Authorization"), "body": body}
@@ -193,6 +200,25 @@ def test_a_batch_over_the_apis_body_limit_is_sent_in_halves(api: ProgressApi) ->
         ("result", 201),
     ]
     assert all(len(json.dumps(request["body"])) <= 20_000 for request in api.requests)
+
+
+def test_a_report_the_api_refuses_is_dropped_alone(api: ProgressApi) -> None:
+    """An API newer than the worker image may refuse one report of a batch (422): the rest arrive."""
+    api.start()
+    api.refused_message = "refused"
+    sender = reporter(api, flush_interval=0.5)
+    for step in range(1, 101):
+        sender.send(metrics(step))
+        if step == 37:
+            sender.send(StatusReport(step=step, message="refused"))
+    sender.send(ResultReport(step=100, loss=1.0))
+
+    assert sender.close(timeout=20)
+    assert [(r["kind"], r["step"]) for r in api.reports] == [
+        *(("metrics", step) for step in range(1, 101)),
+        ("result", 100),
+    ]
+    assert sender.batch_size == 1000  # (a refusal is not about size)
 
 
 def test_a_single_report_over_the_limit_is_dropped_and_the_rest_go(api: ProgressApi) -> None:
