@@ -145,8 +145,10 @@ def test_a_keys_rate_limit_holds_across_the_workers(tmp_path: Path, dataset: Pat
 def test_a_keys_share_of_followed_streams_holds_across_the_workers(tmp_path: Path, dataset: Path) -> None:
     """Each worker used to count a key's streams itself: with two, a key held twice its share."""
     shared = Server(tmp_path, dataset, workers=2, TPUTUNE_ADMIN_KEY=ADMIN, TPUTUNE_MAX_STREAMS_PER_KEY="3")
-    with shared as server, contextlib.ExitStack() as stack:
-        stack.callback(kill_runs, server.data_dir / "jobs")
+    with contextlib.ExitStack() as stack:
+        # (after the server stops, or it starts the killed run again: a local run outlives its server)
+        stack.callback(kill_runs, shared.data_dir / "jobs")
+        server = stack.enter_context(shared)
         created = httpx.post(
             f"{server.url}/admin/keys",
             json={"tenant": "alpha", "name": "ci"},
