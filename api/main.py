@@ -153,7 +153,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
             return await anyio.to_thread.run_sync(auth.valid_key_ids, key_ids)
 
         # (without keys there is nothing to revoke)
-        watch = asyncio.create_task(streams.watch(valid_keys)) if settings.auth_enabled else None
+        watch = asyncio.create_task(streams.watch(valid_keys, auth.forget)) if settings.auth_enabled else None
         try:
             yield
         finally:

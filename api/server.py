@@ -20,7 +20,8 @@ all on SIGTERM/SIGINT. Between the workers:
   (api.streams.SharedKeyStreams);
 - a worker whose supervisor dies (SIGKILL included) is killed with it, like the one-process server's
   threads: nothing goes on answering on the port, and a restarted server can bind it at once.
-The API-key cache (5 s) is per process, as it is across replicas.
+The API-key cache (5 s) is per process, as it is across replicas; a key revoked through one worker is
+forgotten by the others within a second, and its followed streams there end (api.streams.Streams.revoke).
 
 Either way uvicorn's httptools protocol writes through `_CoalescedWrites`: a response's headers and body in
 one write(2) and one TCP segment, where uvicorn made two.

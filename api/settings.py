@@ -128,7 +128,7 @@ class Settings(BaseSettings):
         gt=0,
         le=3600,
         description="How often followed streams' keys are checked again: a stream of a key revoked "
-        "meanwhile ends (at once in the API process that revoked it).",
+        "meanwhile ends (at once in the server that revoked it, all its `--workers` processes).",
     )
     tenant_max_active_jobs: int | None = Field(
         default=None, ge=1, description="Jobs of one tenant running at once; more wait queued."

@@ -11,7 +11,8 @@ Kubernetes API. A request's key is checked once, when it starts. So:
 - at most `max_event_followers` and `max_log_followers` in all, per API process (what each process can
   carry): more are refused with 429 and `Retry-After`, not left waiting;
 - a stream whose key is revoked meanwhile ends within `stream_recheck_seconds` (`Streams.watch`): one
-  query for all the keys that follow, not one per stream.
+  query for all the keys that follow, not one per stream. Revoked through one of the server's processes,
+  its streams in the others end within a second (`Streams.revoke`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ log = logging.getLogger("api.streams")
 EVENTS = "events"
 LOGS = "logs"
 RETRY_AFTER_SECONDS = 10
+REVOKED_POLL_SECONDS = 0.5  # (how soon a process sees that another revoked a key: a read of the shared map)
 # Keys whose streams are capped and rechecked: not the admin key from the environment (revoked by changing
 # it, which restarts the server) nor the keyless single-user mode.
 _UNCHECKED_KEYS = ("admin", "anonymous")
@@ -157,15 +159,37 @@ class Streams:
                 self.shared.give(stream.principal.key_id)
         self._gauge(stream.kind, -1)
 
-    async def watch(self, valid_keys: Callable[[set[str]], Awaitable[set[str]]]) -> None:
-        """Until cancelled: every `recheck_seconds`, end the streams of keys no longer valid. A failed check
-        (the database away) ends nothing; the next one tries again."""
+    async def watch(
+        self,
+        valid_keys: Callable[[set[str]], Awaitable[set[str]]],
+        on_revoked: Callable[[], None] | None = None,
+    ) -> None:
+        """Until cancelled: every `recheck_seconds`, end the streams of keys no longer valid; and at once
+        (within REVOKED_POLL_SECONDS) when another of the server's processes revoked a key (`revoke`),
+        calling `on_revoked` first (the key cache is forgotten). A failed check (the database away) ends
+        nothing; the next one tries again."""
+        loop = asyncio.get_running_loop()
+        seen = self.shared.revocations() if self.shared is not None else 0
+        checked = loop.time()
         while True:
-            await asyncio.sleep(self.recheck_seconds)
+            await asyncio.sleep(REVOKED_POLL_SECONDS if self.shared is not None else self.recheck_seconds)
+            revocations = self.shared.revocations() if self.shared is not None else seen
+            if revocations == seen and loop.time() - checked < self.recheck_seconds:
+                continue
+            if revocations != seen and on_revoked is not None:
+                on_revoked()
+            seen, checked = revocations, loop.time()
             try:
                 await self.recheck(valid_keys)
             except Exception as error:  # (logged; the watch goes on)
                 log.warning("could not recheck the keys of followed streams: %s", error)
+
+    def revoke(self, key_ids: set[str]) -> int:
+        """These keys were revoked (and committed): end their streams here, and have the server's other
+        processes look at once; how many ended here."""
+        if self.shared is not None:
+            self.shared.revoked()
+        return self.end_keys(key_ids)
 
     async def recheck(self, valid_keys: Callable[[set[str]], Awaitable[set[str]]]) -> int:
         """End the streams whose key was revoked; how many."""
@@ -204,6 +228,7 @@ class Streams:
 
 STREAMS_FILE = "streams.shared"
 _ROW = struct.Struct("QQQ")  # key hash (0: free), the pid of the process that holds them, how many
+_COUNT = struct.Struct("Q")
 
 
 class SharedKeyStreams:
@@ -221,9 +246,10 @@ class SharedKeyStreams:
     def __init__(self, path: Path, rows: int, reset: bool = False) -> None:
         self.rows = rows
         self.pid = os.getpid()
-        self._file = MappedFile(path, rows * _ROW.size, reset)
+        # The rows, then how many revocations the processes have made (`revoked`).
+        self._file = MappedFile(path, rows * _ROW.size + _COUNT.size, reset)
         with self._file.locked() as table:  # (rows a dead process with this pid left are not this one's)
-            for index, (_, pid, _) in enumerate(_ROW.iter_unpack(table)):
+            for index, (_, pid, _) in enumerate(_ROW.iter_unpack(table[: rows * _ROW.size])):
                 if pid == self.pid:
                     _ROW.pack_into(table, index * _ROW.size, 0, 0, 0)
 
@@ -269,6 +295,14 @@ class SharedKeyStreams:
                 if stored == key_digest and pid == self.pid and count:
                     _ROW.pack_into(table, offset, *((key_digest, pid, count - 1) if count > 1 else (0, 0, 0)))
                     return
+
+    def revoked(self) -> None:
+        """A key was revoked: the processes' watches look (`Streams.watch`)."""
+        with self._file.locked() as table:
+            _COUNT.pack_into(table, self.rows * _ROW.size, self.revocations() + 1)
+
+    def revocations(self) -> int:
+        return int(_COUNT.unpack_from(self._file.map, self.rows * _ROW.size)[0])
 
     def _window(self, key_digest: int) -> list[int]:
         """The offsets of the rows `key_digest`'s streams may have."""

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -199,6 +200,70 @@ def test_a_keys_share_of_followed_streams_holds_across_the_workers(tmp_path: Pat
             assert again.status_code == 429 and time.monotonic() < deadline
             again.close()
             time.sleep(0.1)
+
+
+def test_a_key_revoked_through_one_worker_is_refused_and_its_streams_end_in_all(
+    tmp_path: Path, dataset: Path
+) -> None:
+    """The worker that revoked a key ended its streams at once; the other one only at its recheck
+    (TPUTUNE_STREAM_RECHECK_SECONDS, 60 here), and went on accepting the key from its cache for 5 s."""
+    env = {"TPUTUNE_ADMIN_KEY": ADMIN, "TPUTUNE_STREAM_RECHECK_SECONDS": "60"}
+    revoking = Server(tmp_path, dataset, workers=2, **env)
+    with contextlib.ExitStack() as stack:
+        stack.callback(kill_runs, revoking.data_dir / "jobs")
+        server = stack.enter_context(revoking)
+        created = httpx.post(
+            f"{server.url}/admin/keys",
+            json={"tenant": "alpha", "name": "ci"},
+            headers={"Authorization": f"Bearer {ADMIN}"},
+        ).json()
+        auth = {"Authorization": f"Bearer {created['key']}"}
+        body = {
+            "name": "followed",
+            "model": "tiny",
+            "dataset_uri": str(dataset),
+            "metadata": {"fake": "slow"},
+        }
+        job_id = httpx.post(f"{server.url}/jobs", json=body, headers=auth, timeout=10).json()["id"]
+        # Both workers have the key in their cache, and hold streams of it.
+        until_every_worker_served(server, "/jobs", lambda: httpx.get(f"{server.url}/jobs", headers=auth))
+        ended: dict[int, float] = {}
+        lines: list[Iterator[str]] = []
+        pids = workers(server)
+        for _ in range(40):
+            held = sockets_on(server.port, "01")
+            if all(held.get(pid, 0) >= 1 for pid in pids):
+                break
+            response = stack.enter_context(
+                httpx.stream(
+                    "GET", f"{server.url}/jobs/{job_id}/events", params={"follow": "true"}, headers=auth
+                )
+            )
+            assert response.status_code == 200
+            lines.append(response.iter_lines())
+            assert next(lines[-1]).startswith("id: ")
+        else:
+            raise AssertionError(f"the streams are not on both workers: {sockets_on(server.port, '01')}")
+
+        def read(index: int) -> None:
+            if any(line == "event: closed" for line in lines[index]):
+                ended[index] = time.monotonic()
+
+        readers = [threading.Thread(target=read, args=(index,), daemon=True) for index in range(len(lines))]
+        for reader in readers:
+            reader.start()
+        revoked_at = time.monotonic()
+        revoked = httpx.delete(
+            f"{server.url}/admin/keys/{created['id']}", headers={"Authorization": f"Bearer {ADMIN}"}
+        )
+        assert revoked.status_code == 200, revoked.text
+        for reader in readers:
+            reader.join(timeout=10)
+        assert sorted(ended) == list(range(len(lines))), ended
+        assert max(ended.values()) - revoked_at < 5
+        time.sleep(1.0)  # (the other worker's watch looks twice a second)
+        for _ in range(16):  # (new connections: both workers)
+            assert httpx.get(f"{server.url}/jobs", headers=auth).status_code == 401
 
 
 def test_workers_and_dispatcher_die_with_a_killed_supervisor(two_workers: Server) -> None:

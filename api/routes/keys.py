@@ -95,7 +95,8 @@ def revoke_key(key_id: str, request: Request, session: SessionDep, _admin: Admin
         session.add(row)
         session.commit()
     request.app.state.auth.forget()
-    request.app.state.streams.end_keys({row.id})  # (the other API processes': at their next recheck)
+    # Its streams end, here and in the server's other processes (other replicas: at their next recheck).
+    request.app.state.streams.revoke({row.id})
     return json_response(KeyPublic.of(row))
 
 
