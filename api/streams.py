@@ -239,7 +239,8 @@ class SharedKeyStreams:
 
     An open-addressed table, sized for every stream the processes may hold at once (`for_settings`); a
     stream that finds no free row among the `PROBES` after its key's place is counted in its own process
-    only (`take` says so)."""
+    only (`take` says so). After the rows, how many keys the processes have revoked (`revoked`): each
+    process's watch reads it, and rechecks its streams' keys when it moves."""
 
     PROBES = 64
 
@@ -302,6 +303,7 @@ class SharedKeyStreams:
             _COUNT.pack_into(table, self.rows * _ROW.size, self.revocations() + 1)
 
     def revocations(self) -> int:
+        """How many keys were revoked since the server started (a read of the map: no lock)."""
         return int(_COUNT.unpack_from(self._file.map, self.rows * _ROW.size)[0])
 
     def _window(self, key_digest: int) -> list[int]:
