@@ -1,5 +1,6 @@
 """A file that all of `tputune serve --workers N`'s processes map, changed under flock(2): the state they
-share (a key's rate-limit bucket, api.auth.SharedBuckets; the streams a key follows, api.streams)."""
+share (a key's rate-limit bucket, api.auth.SharedBuckets; the streams a key follows, api.streams). And
+whether a process they know by pid is alive."""
 
 from __future__ import annotations
 
@@ -38,3 +39,14 @@ class MappedFile:
 def digest(key: str) -> int:
     """`key` as a nonzero 64-bit number (0 marks a free slot)."""
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") or 1
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's
+    return True

@@ -44,7 +44,13 @@ import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors import Multiprocess, multiprocess
 
+from api.mapped import alive
+
 SWITCH_INTERVAL_SECONDS = 0.001
+# A request's header fields at most (names, values and their separators; the request line apart, which
+# httptools caps itself): an API key, a cookie and the usual headers take a few KB. Envoy (GKE's Gateway)
+# takes 60 KiB by default.
+MAX_HEADER_BYTES = 64 * 1024
 REUSE_PORT = sys.platform == "linux" and hasattr(socket, "SO_REUSEPORT")  # (elsewhere it does not balance)
 SUPERVISOR_ENV = "TPUTUNE_SUPERVISOR_PID"  # set by run() for the workers; not a setting
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -257,28 +263,48 @@ except ImportError:  # (no httptools: uvicorn's default protocol, unchanged)
 else:
 
     class CoalescingHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[no-redef]
-        """uvicorn's httptools protocol, writing through _CoalescedWrites: one write(2) per response."""
+        """uvicorn's httptools protocol, writing through _CoalescedWrites: one write(2) per response; and
+        refusing a request whose header fields add up to more than MAX_HEADER_BYTES with 431. httptools
+        takes any: a 2 MB header or 200,000 of them were parsed, held and handed to the app."""
+
+        _header_bytes = 0
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(_CoalescedWrites(transport, self.loop))  # type: ignore[arg-type]
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._header_bytes = 0
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._header_bytes += len(name) + len(value) + 4  # (": " and CRLF)
+            if self._header_bytes > MAX_HEADER_BYTES:
+                raise HeaderFieldsTooLarge  # (the parser stops; uvicorn answers with send_400_response)
+            super().on_header(name, value)
+
+        def send_400_response(self, msg: str) -> None:
+            if self._header_bytes <= MAX_HEADER_BYTES:
+                super().send_400_response(msg)
+                return
+            body = (
+                b'{"error":{"code":"headers_too_large","message":"The request\'s header fields are larger '
+                b'than %d bytes; send less.","param":null}}' % MAX_HEADER_BYTES
+            )
+            head = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+            self.transport.write(head + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
+            self.transport.close()
+
+
+class HeaderFieldsTooLarge(Exception):
+    """(Raised in the HTTP parser's callback: the request is answered with 431.)"""
 
 
 def _remove_dead_metrics_dirs() -> None:
     """The metrics folders of servers that died without removing theirs (SIGKILL)."""
     for folder in Path(tempfile.gettempdir()).glob(f"{METRICS_DIR_PREFIX}*-*"):
         pid = folder.name.removeprefix(METRICS_DIR_PREFIX).partition("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # someone else's
-    return True
 
 
 def worker_app() -> Any:

@@ -35,7 +35,7 @@ from starlette.types import Receive, Scope, Send
 
 from api.auth import Principal
 from api.errors import ApiError, DatabaseUnavailable
-from api.mapped import MappedFile, digest
+from api.mapped import MappedFile, alive, digest
 from api.settings import Settings
 
 log = logging.getLogger("api.streams")
@@ -268,7 +268,7 @@ class SharedKeyStreams:
             held, mine, free = 0, None, None
             for offset in self._window(key_digest):
                 stored, pid, count = _ROW.unpack_from(table, offset)
-                if count and pid != self.pid and not _alive(pid):
+                if count and pid != self.pid and not alive(pid):
                     _ROW.pack_into(table, offset, 0, 0, 0)  # (its process died holding them)
                     count = 0
                 if not count:
@@ -309,16 +309,6 @@ class SharedKeyStreams:
     def _window(self, key_digest: int) -> list[int]:
         """The offsets of the rows `key_digest`'s streams may have."""
         return [((key_digest + probe) % self.rows) * _ROW.size for probe in range(self.PROBES)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # (another user's: alive)
-    return True
 
 
 @dataclass(eq=False)

@@ -4,19 +4,21 @@ whose writes of one step of the event loop go out as one.
 What is checked, with uvicorn's real protocol and a transport that records what it is asked to write (the
 socket is the boundary): a small response's status line, headers and body are one write, not two; a
 streamed response's headers and first chunk go out at once, before the app sends the next chunk (nothing
-waits for the end of the response); data written before a close is not lost. (Every test that runs
+waits for the end of the response); data written before a close is not lost; header fields past
+MAX_HEADER_BYTES are answered with 431 and never reach the app. (Every test that runs
 `tputune serve`, through tests/support/serve.py, goes through it as well.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import uvicorn
 from uvicorn.server import ServerState
 
-from api.server import CoalescingHttpToolsProtocol
+from api.server import MAX_HEADER_BYTES, CoalescingHttpToolsProtocol
 
 
 class Transport:
@@ -120,3 +122,35 @@ async def _test_what_was_written_before_a_close_goes_out_first() -> None:
     await settle()
     assert transport.closed
     assert len(transport.writes) == 1 and transport.writes[0].endswith(b"\r\n\r\nbye")
+
+
+def test_header_fields_past_the_limit_are_431_and_the_app_never_sees_them() -> None:
+    asyncio.run(_test_header_fields_past_the_limit())
+
+
+async def _test_header_fields_past_the_limit() -> None:
+    """httptools takes any header fields: 2 MB of one, or 200,000 of them, were parsed, held and handed to
+    the app. Past MAX_HEADER_BYTES the request is answered with 431 and the connection closed."""
+    seen: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(scope)
+        await small(scope, receive, send)
+
+    # Just under, in one field and in many, on one kept-alive connection: answered.
+    protocol, transport = connect(app)
+    room = MAX_HEADER_BYTES - len(b"host: test\r\n") - len(b"x-big: \r\n")
+    protocol.data_received(b"GET / HTTP/1.1\r\nHost: test\r\nX-Big: " + b"a" * room + b"\r\n\r\n")
+    await settle()
+    many = b"".join(b"X-%05d: a\r\n" % i for i in range((MAX_HEADER_BYTES - 12) // 12))
+    protocol.data_received(b"GET / HTTP/1.1\r\nHost: test\r\n" + many + b"\r\n")
+    await settle()
+    assert [write[:15] for write in transport.writes] == [b"HTTP/1.1 200 OK"] * 2 and len(seen) == 2
+    for extra in (b"X-Big: " + b"a" * MAX_HEADER_BYTES + b"\r\n", many + b"X-One-More: a\r\n"):
+        protocol, transport = connect(app)
+        protocol.data_received(b"GET / HTTP/1.1\r\nHost: test\r\n" + extra + b"\r\n")
+        await settle()
+        assert transport.closed and len(seen) == 2
+        status, _, body = transport.writes[-1].partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+        assert json.loads(body)["error"]["code"] == "headers_too_large"
