@@ -382,8 +382,22 @@ def main(argv: list[str] | None = None) -> int:
     except ApiError as exc:
         print(f"error: {exc.message} ({exc.code})", file=sys.stderr)
         return 3
+    except Exception as exc:
+        if not _settings_error(exc):
+            raise
+        for error in exc.errors(include_url=False):  # type: ignore[attr-defined]  # (names, not a traceback)
+            name = "TPUTUNE_" + "_".join(str(part) for part in error["loc"]).upper()
+            print(f"tputune: {name}: {error['msg']}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _settings_error(exc: Exception) -> bool:
+    """Whether `exc` is invalid settings (pydantic's ValidationError; not imported for it: the client
+    commands never load pydantic, ~90 ms)."""
+    pydantic = sys.modules.get("pydantic")
+    return pydantic is not None and isinstance(exc, pydantic.ValidationError) and exc.title == "Settings"
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from worker.config import check_bucket
+
 AUTO_WORKERS_MAX = 4  # TPUTUNE_WORKERS=0: a worker per core, up to this many
 
 
@@ -199,6 +201,15 @@ class Settings(BaseSettings):
     )
     k8s_request_timeout_seconds: float = Field(default=10.0, gt=0)
     k8s_resync_seconds: float = Field(default=300.0, gt=0, description="Full relist of JobSets and pods.")
+
+    @field_validator("k8s_output_base_uri")
+    @classmethod
+    def _output_bucket(cls, value: str | None) -> str | None:
+        """A bucket name the pods can mount: the overlay's placeholder (OUTPUT_BUCKET) left in failed every
+        job at run time, after the wait for TPUs."""
+        if value is not None:
+            check_bucket(value.removeprefix("gs://").partition("/")[0])
+        return value
 
     @field_validator("allowed_data_roots", "k8s_tpu_machine_types", mode="before")
     @classmethod

@@ -152,3 +152,18 @@ def test_keys_commands(live_api, capsys) -> None:  # type: ignore[no-untyped-def
     run(api, capsys, "--api-key", "the-admin-key-123", "keys", "revoke", key_id)
     code, _, err = run(api, capsys, "--api-key", key, "list")
     assert code == 3 and "(invalid_api_key)" in err
+
+
+def test_invalid_settings_are_named_as_the_environment_names_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tputune serve` with the GKE overlay's placeholder left in (or any bad setting): exit 2 and a line
+    per setting, where a pydantic traceback used to end in the field's Python name."""
+    monkeypatch.setenv("TPUTUNE_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("TPUTUNE_K8S_OUTPUT_BASE_URI", "gs://OUTPUT_BUCKET/tputune")
+    monkeypatch.setenv("TPUTUNE_PORT", "eighty")
+    assert main(["serve"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("tputune: TPUTUNE_PORT: ") and "integer" in lines[0]
+    assert lines[1].startswith("tputune: TPUTUNE_K8S_OUTPUT_BASE_URI: 'OUTPUT_BUCKET' is not a Cloud")
+    assert len(lines) == 2

@@ -126,14 +126,7 @@ def check_uri(value: str) -> str:
                 "invalid_uri",
                 "a gs:// URI needs a bucket and an object path, like gs://bucket/data/train.jsonl",
             )
-        if not _BUCKET.fullmatch(bucket) or ".." in bucket or any(len(p) > 63 for p in bucket.split(".")):
-            # (The pods mount each bucket at /gcs/<bucket>: a bad name failed there, after the wait for TPUs.)
-            raise PydanticCustomError(
-                "invalid_uri",
-                "'{bucket}' is not a Cloud Storage bucket name: 3-63 lowercase letters, digits, '-', '_' or "
-                "'.', starting and ending with a letter or digit",
-                {"bucket": bucket},
-            )
+        check_bucket(bucket)
         if {".", ".."} & set(path.split("/")):
             raise PydanticCustomError("path_traversal", "a gs:// path must not contain '.' or '..' segments")
         return value
@@ -149,6 +142,18 @@ def check_uri(value: str) -> str:
     if ".." in value.split("/"):
         raise PydanticCustomError("path_traversal", "a local path must not contain '..'")
     return posixpath.normpath(value)
+
+
+def check_bucket(bucket: str) -> None:
+    """A Cloud Storage bucket name. (The pods mount each bucket at /gcs/<bucket>: a bad name failed there,
+    after the wait for TPUs.)"""
+    if not _BUCKET.fullmatch(bucket) or ".." in bucket or any(len(p) > 63 for p in bucket.split(".")):
+        raise PydanticCustomError(
+            "invalid_uri",
+            "'{bucket}' is not a Cloud Storage bucket name: 3-63 lowercase letters, digits, '-', '_' or "
+            "'.', starting and ending with a letter or digit",
+            {"bucket": bucket},
+        )
 
 
 def check_dataset_uri(value: str) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from api.settings import Settings
 
@@ -80,15 +81,30 @@ def test_the_api_deployment_is_locked_down_and_probed() -> None:
     assert BASE[("ServiceAccount", "tputune-worker")]["automountServiceAccountToken"] is False
 
 
+# The README's substitutions ("Deploying to GKE", step 7), as a deployment makes them.
+FILLED_IN = {"PROJECT_ID": "my-project", "REGION": "us-east5", "LOCATION": "us-east5", "CLUSTER": "tpus"}
+FILLED_IN["OUTPUT_BUCKET"] = f"{FILLED_IN['PROJECT_ID']}-outputs"
+
+
+def as_settings(values: dict[str, str]) -> Settings:
+    return Settings(
+        _env_file=None, **{key.removeprefix("TPUTUNE_").lower(): value for key, value in values.items()}
+    )  # type: ignore[call-arg]
+
+
 def test_settings_are_real_settings_that_agree_with_the_objects() -> None:
     settings = dict(BASE[("ConfigMap", "tputune-settings")]["data"])
     for patch in documents(MANIFESTS / "overlays/gke/settings.yaml"):
         settings.update(patch["data"])
     fields = {f"TPUTUNE_{name.upper()}" for name in Settings.model_fields}
     assert set(settings) <= fields, set(settings) - fields
-    Settings(
-        _env_file=None, **{key.removeprefix("TPUTUNE_").lower(): value for key, value in settings.items()}
-    )  # type: ignore[call-arg]
+    # The overlay as shipped, its placeholders not filled in: the server refuses to start (every job
+    # would have failed at run time, its output bucket not one).
+    with pytest.raises(ValidationError, match="'OUTPUT_BUCKET' is not a Cloud Storage bucket name"):
+        as_settings(settings)
+    for placeholder, value in FILLED_IN.items():
+        settings = {key: text.replace(placeholder, value) for key, text in settings.items()}
+    as_settings(settings)
     assert settings["TPUTUNE_K8S_WORKER_SERVICE_ACCOUNT"] in {
         name for kind, name in BASE if kind == "ServiceAccount"
     }
