@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, get_args
 
@@ -45,13 +46,20 @@ def not_found(job_id: str) -> ApiError:
     return ApiError(404, "job_not_found", f"No job with id '{job_id}'. List your jobs with GET /jobs.")
 
 
-def _body(
+def error_body(
     code: str, message: str, param: str | None = None, details: list[dict[str, Any]] | None = None
 ) -> dict:
+    """Every error's JSON: `{"error": {"code", "message", "param"[, "details"]}}`."""
     error: dict[str, Any] = {"code": code, "message": message, "param": param}
     if details is not None:
         error["details"] = details
     return {"error": error}
+
+
+def error_json(code: str, message: str, param: str | None = None) -> bytes:
+    """`error_body` as the bytes of a response written without the framework (api.main.RequestLimits, the
+    server's 431)."""
+    return json.dumps(error_body(code, message, param), separators=(",", ":")).encode()
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
@@ -78,7 +86,7 @@ def validation_response(errors: list[Any]) -> JSONResponse:
     code = "invalid_request" if codes == {"invalid_value"} or len(codes) > 1 else codes.pop()
     message = "; ".join(f"{d['param']}: {d['message']}" for d in details)
     param = details[0]["param"] if len(details) == 1 else None
-    return JSONResponse(status_code=422, content=_body(code, message, param, details))
+    return JSONResponse(status_code=422, content=error_body(code, message, param, details))
 
 
 _JSON_TYPES = ("/json", "+json")
@@ -142,7 +150,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(
-            status_code=exc.status, content=_body(exc.code, exc.message, exc.param), headers=exc.headers
+            status_code=exc.status, content=error_body(exc.code, exc.message, exc.param), headers=exc.headers
         )
 
     @app.exception_handler(RequestValidationError)
@@ -159,8 +167,9 @@ def install(app: FastAPI) -> None:
         if exc.status_code == 400:
             # The framework could not read the body (e.g. not UTF-8): the same answer as invalid JSON.
             message = "The request body is not valid UTF-8 JSON; send a JSON object."
-            return JSONResponse(status_code=422, content=_body("invalid_request", message))
-        return JSONResponse(status_code=exc.status_code, content=_body(code, message), headers=exc.headers)
+            return JSONResponse(status_code=422, content=error_body("invalid_request", message))
+        content = error_body(code, message)
+        return JSONResponse(status_code=exc.status_code, content=content, headers=exc.headers)
 
     @app.exception_handler(OperationalError)
     @app.exception_handler(PoolTimeout)
@@ -169,7 +178,9 @@ def install(app: FastAPI) -> None:
         log.warning("database unavailable: %s", type(exc).__name__)
         return JSONResponse(
             status_code=503,
-            content=_body("database_unavailable", "The database is unreachable; retry in a few seconds."),
+            content=error_body(
+                "database_unavailable", "The database is unreachable; retry in a few seconds."
+            ),
             headers={"Retry-After": "2"},
         )
 
@@ -178,5 +189,5 @@ def install(app: FastAPI) -> None:
         log.exception("unhandled error")
         return JSONResponse(
             status_code=500,
-            content=_body("internal_error", "Something went wrong on our side; it was logged."),
+            content=error_body("internal_error", "Something went wrong on our side; it was logged."),
         )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -91,9 +90,7 @@ class RequestLimits:
 
     @staticmethod
     async def _reject(send: Send, status: int, code: str, message: str, param: str | None = None) -> None:
-        body = json.dumps(
-            {"error": {"code": code, "message": message, "param": param}}, separators=(",", ":")
-        ).encode()
+        body = errors.error_json(code, message, param)
         await send(
             {
                 "type": "http.response.start",

@@ -286,10 +286,10 @@ else:
             if self._header_bytes <= MAX_HEADER_BYTES:
                 super().send_400_response(msg)
                 return
-            body = (
-                b'{"error":{"code":"headers_too_large","message":"The request\'s header fields are larger '
-                b'than %d bytes; send less.","param":null}}' % MAX_HEADER_BYTES
-            )
+            from api.errors import error_json
+
+            message = f"The request's header fields are larger than {MAX_HEADER_BYTES} bytes; send less."
+            body = error_json("headers_too_large", message)
             head = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
             self.transport.write(head + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
             self.transport.close()
