@@ -42,7 +42,8 @@ Text = Annotated[str, AfterValidator(check_text)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # No infinity or NaN in any number (1e999 is infinity): PostgreSQL's JSON cannot hold them.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Method(_Strict):
@@ -77,10 +78,10 @@ class Hyperparameters(_Strict):
         default=8, description="Global batch size in packed rows of `max_seq_len` tokens."
     )
     gradient_accumulation_steps: Annotated[int, Field(ge=1, le=1024)] = 1
-    learning_rate: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1e-4
+    learning_rate: Annotated[float, Field(gt=0, le=1)] = 1e-4
     warmup_steps: Annotated[int, Field(ge=0, le=1_000_000)] = 0
-    weight_decay: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.0
-    max_grad_norm: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = 1.0  # (None: no clipping)
+    weight_decay: Annotated[float, Field(ge=0, le=1)] = 0.0
+    max_grad_norm: Annotated[float, Field(gt=0)] | None = 1.0  # (None: no clipping)
     max_seq_len: Annotated[int, Field(ge=8, le=131_072)] = 512
     seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
     eval_every_steps: Annotated[int, Field(ge=1, le=10_000_000)] | None = None

@@ -36,8 +36,6 @@ MAX_REPORTS_PER_BATCH = 1000
 MAX_STEP = 2**31 - 1
 MAX_COUNT = 2**63 - 1
 
-Finite = Annotated[float, Field(allow_inf_nan=False)]
-
 
 def _replace_nul(value: object) -> object:
     return value.replace("\x00", "\ufffd") if isinstance(value, str) else value
@@ -71,13 +69,13 @@ class MetricsReport(_Report):
     total_steps: Annotated[int, Field(ge=1, le=MAX_STEP)] | None = None
     epoch: Annotated[float, Field(ge=0)] | None = None
     loss: float | None = Field(default=None, description="Mean loss over the step's real target tokens.")
-    learning_rate: Finite | None = None
+    learning_rate: float | None = None
     grad_norm: float | None = None
-    tokens_per_second: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    tokens_per_second: Annotated[float, Field(ge=0)] | None = None
     trained_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] | None = Field(
         default=None, description="Non-pad target tokens trained on so far (all processes)."
     )
-    eta_seconds: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    eta_seconds: Annotated[float, Field(ge=0)] | None = None
 
     @field_validator("loss", "grad_norm", mode="before")
     @classmethod
@@ -88,15 +86,15 @@ class MetricsReport(_Report):
 
 class EvalReport(_Report):
     kind: Literal["eval"] = "eval"
-    eval_loss: Finite
+    eval_loss: float
     eval_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] | None = None
 
 
 class CheckpointReport(_Report):
     kind: Literal["checkpoint"] = "checkpoint"
     uri: Annotated[Reported, Field(min_length=1, max_length=2048)]
-    loss: Finite | None = None
-    eval_loss: Finite | None = None
+    loss: float | None = None
+    eval_loss: float | None = None
 
 
 class SampleReport(_Report):
@@ -109,8 +107,8 @@ class SampleReport(_Report):
 class ResultReport(_Report):
     kind: Literal["result"] = "result"
     output_uri: Annotated[Reported, Field(max_length=2048)] | None = None
-    loss: Finite | None = None
-    eval_loss: Finite | None = None
+    loss: float | None = None
+    eval_loss: float | None = None
     trained_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] | None = None
     train_seconds: Annotated[float, Field(ge=0)] | None = None
 
