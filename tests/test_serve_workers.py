@@ -90,6 +90,32 @@ def until_every_worker_served(server: Server, route: str, send: Callable[[], obj
     return sent
 
 
+def make_key(server: Server) -> tuple[str, dict[str, str]]:
+    """A new key of tenant alpha, made with the admin key: (its id, the headers that send it)."""
+    created = httpx.post(
+        f"{server.url}/admin/keys",
+        json={"tenant": "alpha", "name": "ci"},
+        headers={"Authorization": f"Bearer {ADMIN}"},
+    )
+    assert created.status_code == 201, created.text
+    return created.json()["id"], {"Authorization": f"Bearer {created.json()['key']}"}
+
+
+def slow_job(server: Server, dataset: Path, headers: dict[str, str] | None = None) -> str:
+    """A job whose fake worker runs until killed (`kill_runs`: it outlives the server)."""
+    body = {"name": "followed", "model": "tiny", "dataset_uri": str(dataset), "metadata": {"fake": "slow"}}
+    return str(httpx.post(f"{server.url}/jobs", json=body, headers=headers, timeout=10).json()["id"])
+
+
+def follow(
+    stack: contextlib.ExitStack, server: Server, job_id: str, headers: dict[str, str] | None = None
+) -> httpx.Response:
+    """The job's events followed, on a new connection (closed with `stack`)."""
+    url = f"{server.url}/jobs/{job_id}/events"
+    followed = httpx.stream("GET", url, params={"follow": "true"}, headers=headers, timeout=30)
+    return stack.enter_context(followed)
+
+
 @pytest.fixture
 def two_workers(tmp_path: Path, dataset: Path) -> Iterator[Server]:
     with Server(tmp_path, dataset, workers=2) as running:
@@ -122,17 +148,11 @@ def test_a_keys_rate_limit_holds_across_the_workers(tmp_path: Path, dataset: Pat
         TPUTUNE_RATE_LIMIT_BURST="10",
     )
     with limited as server:
-        created = httpx.post(
-            f"{server.url}/admin/keys",
-            json={"tenant": "alpha", "name": "ci"},
-            headers={"Authorization": f"Bearer {ADMIN}"},
-        )
-        assert created.status_code == 201, created.text
-        key = created.json()["key"]
+        _, auth = make_key(server)
         codes: list[int] = []
 
         def send() -> None:
-            response = httpx.get(f"{server.url}/jobs", headers={"Authorization": f"Bearer {key}"})
+            response = httpx.get(f"{server.url}/jobs", headers=auth)
             codes.append(response.status_code)
 
         started = time.monotonic()
@@ -150,20 +170,8 @@ def test_a_keys_share_of_followed_streams_holds_across_the_workers(tmp_path: Pat
         # (after the server stops, or it starts the killed run again: a local run outlives its server)
         stack.callback(kill_runs, shared.data_dir / "jobs")
         server = stack.enter_context(shared)
-        created = httpx.post(
-            f"{server.url}/admin/keys",
-            json={"tenant": "alpha", "name": "ci"},
-            headers={"Authorization": f"Bearer {ADMIN}"},
-        )
-        assert created.status_code == 201, created.text
-        auth = {"Authorization": f"Bearer {created.json()['key']}"}
-        body = {
-            "name": "followed",
-            "model": "tiny",
-            "dataset_uri": str(dataset),
-            "metadata": {"fake": "slow"},
-        }
-        job_id = httpx.post(f"{server.url}/jobs", json=body, headers=auth, timeout=10).json()["id"]
+        _, auth = make_key(server)
+        job_id = slow_job(server, dataset, auth)
         route = "/jobs/{job_id}/events"
         admitted = []
         # Follow on new connections until both workers have refused one: a worker refuses only when the
@@ -171,11 +179,7 @@ def test_a_keys_share_of_followed_streams_holds_across_the_workers(tmp_path: Pat
         for _ in range(400):
             if len(admitted) == 3 and min(served(server, route, "429").values()) >= 1:
                 break
-            response = stack.enter_context(
-                httpx.stream(
-                    "GET", f"{server.url}/jobs/{job_id}/events", params={"follow": "true"}, headers=auth
-                )
-            )
+            response = follow(stack, server, job_id, auth)
             if response.status_code == 200:
                 admitted.append(response)
                 assert len(admitted) <= 3
@@ -190,11 +194,7 @@ def test_a_keys_share_of_followed_streams_holds_across_the_workers(tmp_path: Pat
         admitted.pop().close()
         deadline = time.monotonic() + 10
         while True:
-            again = stack.enter_context(
-                httpx.stream(
-                    "GET", f"{server.url}/jobs/{job_id}/events", params={"follow": "true"}, headers=auth
-                )
-            )
+            again = follow(stack, server, job_id, auth)
             if again.status_code == 200:
                 break
             assert again.status_code == 429 and time.monotonic() < deadline
@@ -212,19 +212,8 @@ def test_a_key_revoked_through_one_worker_is_refused_and_its_streams_end_in_all(
     with contextlib.ExitStack() as stack:
         stack.callback(kill_runs, revoking.data_dir / "jobs")
         server = stack.enter_context(revoking)
-        created = httpx.post(
-            f"{server.url}/admin/keys",
-            json={"tenant": "alpha", "name": "ci"},
-            headers={"Authorization": f"Bearer {ADMIN}"},
-        ).json()
-        auth = {"Authorization": f"Bearer {created['key']}"}
-        body = {
-            "name": "followed",
-            "model": "tiny",
-            "dataset_uri": str(dataset),
-            "metadata": {"fake": "slow"},
-        }
-        job_id = httpx.post(f"{server.url}/jobs", json=body, headers=auth, timeout=10).json()["id"]
+        key_id, auth = make_key(server)
+        job_id = slow_job(server, dataset, auth)
         # Both workers have the key in their cache, and hold streams of it.
         until_every_worker_served(server, "/jobs", lambda: httpx.get(f"{server.url}/jobs", headers=auth))
         ended: dict[int, float] = {}
@@ -234,11 +223,7 @@ def test_a_key_revoked_through_one_worker_is_refused_and_its_streams_end_in_all(
             held = sockets_on(server.port, "01")
             if all(held.get(pid, 0) >= 1 for pid in pids):
                 break
-            response = stack.enter_context(
-                httpx.stream(
-                    "GET", f"{server.url}/jobs/{job_id}/events", params={"follow": "true"}, headers=auth
-                )
-            )
+            response = follow(stack, server, job_id, auth)
             assert response.status_code == 200
             lines.append(response.iter_lines())
             assert next(lines[-1]).startswith("id: ")
@@ -253,9 +238,8 @@ def test_a_key_revoked_through_one_worker_is_refused_and_its_streams_end_in_all(
         for reader in readers:
             reader.start()
         revoked_at = time.monotonic()
-        revoked = httpx.delete(
-            f"{server.url}/admin/keys/{created['id']}", headers={"Authorization": f"Bearer {ADMIN}"}
-        )
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        revoked = httpx.delete(f"{server.url}/admin/keys/{key_id}", headers=admin)
         assert revoked.status_code == 200, revoked.text
         for reader in readers:
             reader.join(timeout=10)
@@ -362,17 +346,12 @@ def test_followed_streams_do_not_keep_the_server_from_stopping(
     server = Server(tmp_path, dataset, workers=count)
     server.start()
     assert server.proc is not None
-    body = {"name": "followed", "model": "tiny", "dataset_uri": str(dataset), "metadata": {"fake": "slow"}}
-    job_id = httpx.post(f"{server.url}/jobs", json=body, timeout=10).json()["id"]
+    job_id = slow_job(server, dataset)
     with contextlib.ExitStack() as stack:
         stack.callback(kill_runs, server.data_dir / "jobs")  # (a local run outlives its server, by design)
         lines = []
         for _ in range(4):  # (new connections: with two workers, likely on both)
-            response = stack.enter_context(
-                httpx.stream(
-                    "GET", f"{server.url}/jobs/{job_id}/events", params={"follow": "true"}, timeout=30
-                )
-            )
+            response = follow(stack, server, job_id)
             assert response.status_code == 200
             lines.append(response.iter_lines())
             assert next(lines[-1]).startswith("id: ")
