@@ -63,7 +63,8 @@ def unauthorized(message: str) -> ApiError:
 
 class Authenticator:
     """Resolves a bearer key to a Principal; caches lookups for a few seconds (revocation in this
-    process takes effect at once; other replicas see it within the cache time)."""
+    process takes effect at once; the server's other processes and replicas forget the cache when they
+    learn of it: api.streams.Streams.watch, api.usage)."""
 
     def __init__(self, engine: Engine, settings: Settings, buckets: Buckets | None = None) -> None:
         self.engine = engine
@@ -138,31 +139,61 @@ class Buckets(Protocol):
     def take(self, key: str, rate: float, burst: float) -> int | None:
         """Spend a token of `key`'s bucket; None if there was one, else the seconds until there is."""
 
+    def spent(self) -> dict[int, float]:
+        """The tokens spent here by each key (api.mapped.digest) this server's buckets know, since they
+        first saw it: it only grows, unless a key's bucket was forgotten (then it starts again from 0)."""
+
+    def charge(self, charges: dict[int, float], rate: float, burst: float) -> None:
+        """Take tokens from keys' buckets that the server's other replicas spent (api.usage)."""
+
+
+def _refill(tokens: float, last: float, now: float, rate: float, burst: float) -> float:
+    return min(burst, tokens + (now - last) * rate)
+
 
 def _spend(tokens: float, last: float, now: float, rate: float, burst: float) -> tuple[float, int | None]:
-    tokens = min(burst, tokens + (now - last) * rate)
+    tokens = _refill(tokens, last, now, rate, burst)
     if tokens < 1.0:
         return tokens, max(1, int((1.0 - tokens) / rate + 0.999))
     return tokens - 1.0, None
+
+
+def _charged(tokens: float, last: float, now: float, rate: float, burst: float, charge: float) -> float:
+    """A bucket less what other replicas spent: at most one burst in debt (their own buckets cap what they
+    could spend before they learned of ours)."""
+    return max(-burst, _refill(tokens, last, now, rate, burst) - charge)
 
 
 class LocalBuckets:
     """The buckets of one API process."""
 
     def __init__(self) -> None:
-        self._buckets: dict[str, tuple[float, float]] = {}
+        self._buckets: dict[int, tuple[float, float, float]] = {}  # digest: tokens, when, spent
         self._lock = threading.Lock()
 
     def take(self, key: str, rate: float, burst: float) -> int | None:
+        key_digest = digest(key)
         now = time.monotonic()
         with self._lock:
-            tokens, last = self._buckets.get(key, (burst, now))
+            tokens, last, spent = self._buckets.get(key_digest, (burst, now, 0.0))
             tokens, retry = _spend(tokens, last, now, rate, burst)
-            self._buckets[key] = (tokens, now)
+            self._buckets[key_digest] = (tokens, now, spent if retry is not None else spent + 1.0)
         return retry
 
+    def spent(self) -> dict[int, float]:
+        with self._lock:
+            return {key_digest: spent for key_digest, (_, _, spent) in self._buckets.items() if spent}
 
-_SLOT = struct.Struct("Qdd")  # key hash (0: free), tokens, when (time.monotonic: the same in every process)
+    def charge(self, charges: dict[int, float], rate: float, burst: float) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for key_digest, charge in charges.items():
+                tokens, last, spent = self._buckets.get(key_digest, (burst, now, 0.0))
+                self._buckets[key_digest] = (_charged(tokens, last, now, rate, burst, charge), now, spent)
+
+
+# key hash (0: free), tokens, when (time.monotonic: the same in every process), tokens spent here
+_SLOT = struct.Struct("Qddd")
 
 
 class SharedBuckets:
@@ -181,19 +212,36 @@ class SharedBuckets:
         now = time.monotonic()
         with self._file.locked() as table:
             offset = self._slot(table, key_digest)
-            stored, tokens, last = _SLOT.unpack_from(table, offset)
+            stored, tokens, last, spent = _SLOT.unpack_from(table, offset)
             if stored != key_digest:
-                tokens, last = burst, now
+                tokens, last, spent = burst, now, 0.0
             tokens, retry = _spend(tokens, last, now, rate, burst)
-            _SLOT.pack_into(table, offset, key_digest, tokens, now)
+            spent += 1.0 if retry is None else 0.0
+            _SLOT.pack_into(table, offset, key_digest, tokens, now, spent)
         return retry
+
+    def spent(self) -> dict[int, float]:
+        with self._file.locked() as table:
+            rows = list(_SLOT.iter_unpack(table))
+        return {key_digest: spent for key_digest, _, _, spent in rows if key_digest and spent}
+
+    def charge(self, charges: dict[int, float], rate: float, burst: float) -> None:
+        now = time.monotonic()
+        with self._file.locked() as table:
+            for key_digest, charge in charges.items():
+                offset = self._slot(table, key_digest)
+                stored, tokens, last, spent = _SLOT.unpack_from(table, offset)
+                if stored != key_digest:
+                    tokens, last, spent = burst, now, 0.0
+                tokens = _charged(tokens, last, now, rate, burst, charge)
+                _SLOT.pack_into(table, offset, key_digest, tokens, now, spent)
 
     def _slot(self, table: mmap.mmap, key_digest: int) -> int:
         """The offset of the key's slot: its own, else a free one, else the least recently used probed."""
         oldest, oldest_when = 0, float("inf")
         for probe in range(self.PROBES):
             offset = ((key_digest + probe) % self.slots) * _SLOT.size
-            stored, _, when = _SLOT.unpack_from(table, offset)
+            stored, _, when, _ = _SLOT.unpack_from(table, offset)
             if stored in (key_digest, 0):
                 return offset
             if when < oldest_when:

@@ -120,6 +120,21 @@ class IdempotencyKey(SQLModel, table=True):
     created_at: datetime = Field(default_factory=utcnow, sa_type=DateTime(timezone=True), nullable=False)
 
 
+class KeyUsage(SQLModel, table=True):
+    """What one server (replica) has used of each API key's limits, for the other replicas (api.usage): the
+    rate-limit tokens it spent since the row was made (`since`), and the streams it follows now. The row with
+    key_digest 0 is the server's heartbeat. Keys are named by api.mapped.digest (as a signed BIGINT)."""
+
+    __tablename__ = "key_usage"
+
+    replica: str = Field(max_length=64, primary_key=True)
+    key_digest: int = Field(sa_column=Column(BigInteger, primary_key=True, autoincrement=False))
+    since: float  # (the writer's clock, time.time(); a row made again has another)
+    spent: float = 0.0
+    streams: int = 0
+    seen_at: float
+
+
 class ApiKey(SQLModel, table=True):
     """An API key of a tenant: only its hash is stored; `prefix` is the visible part, for humans."""
 

@@ -20,8 +20,11 @@ all on SIGTERM/SIGINT. Between the workers:
   (api.streams.SharedKeyStreams);
 - a worker whose supervisor dies (SIGKILL included) is killed with it, like the one-process server's
   threads: nothing goes on answering on the port, and a restarted server can bind it at once.
-The API-key cache (5 s) is per process, as it is across replicas; a key revoked through one worker is
-forgotten by the others within a second, and its followed streams there end (api.streams.Streams.revoke).
+The API-key cache (5 s) is per process; a key revoked through one worker is forgotten by the others
+within a second, and its followed streams there end (api.streams.Streams.revoke).
+
+Either way a thread of this process shares the key's use of its limits with the server's other replicas,
+and learns of keys revoked through them (api.usage, TPUTUNE_USAGE_SYNC_SECONDS).
 
 Either way uvicorn's httptools protocol writes through `_CoalescedWrites`: a response's headers and body in
 one write(2) and one TCP segment, where uvicorn made two.
@@ -89,19 +92,27 @@ def run(overrides: dict[str, Any]) -> int:
     )
     if workers == 1:
         from api.main import create_app
+        from api.usage import start_usage_sync
 
         app = create_app(settings)
         _tune_interpreter()
         server = EndingStreamsServer(uvicorn.Config(app, **options))
-        with contextlib.suppress(KeyboardInterrupt):
-            server.run()
+        sync = start_usage_sync(settings, app.state.engine, app.state.auth.buckets, app.state.streams)
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                server.run()
+        finally:
+            if sync is not None:
+                sync.stop()
         if not server.started:
             sys.exit(STARTUP_FAILURE)
         return 0
 
     from api.auth import BUCKETS_FILE, SharedBuckets
+    from api.db import make_engine
     from api.dispatch_process import DispatcherProcess
     from api.streams import SharedKeyStreams
+    from api.usage import start_usage_sync
 
     for name, value in overrides.items():  # the command line's, for the workers' Settings()
         os.environ[f"TPUTUNE_{name.upper()}"] = str(value)
@@ -110,14 +121,18 @@ def run(overrides: dict[str, Any]) -> int:
     _remove_dead_metrics_dirs()
     metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
     os.environ[METRICS_DIR_ENV] = metrics_dir
-    SharedBuckets(settings.data_dir / BUCKETS_FILE, reset=True)
-    SharedKeyStreams.for_settings(settings, reset=True)
+    buckets = SharedBuckets(settings.data_dir / BUCKETS_FILE, reset=True)
+    streams = SharedKeyStreams.for_settings(settings, reset=True)
+    # (the workers' shared buckets and streams, with the other replicas': a thread of this process)
+    sync = start_usage_sync(settings, make_engine(settings.resolved_database_url, 2), buckets, streams)
     dispatcher = DispatcherProcess(settings) if settings.dispatcher_enabled else None
     if dispatcher is not None:
         dispatcher.start()
     try:
         _run_workers(uvicorn.Config("api.server:worker_app", factory=True, workers=workers, **options))
     finally:
+        if sync is not None:
+            sync.stop()
         if dispatcher is not None:
             dispatcher.stop()
         shutil.rmtree(metrics_dir, ignore_errors=True)

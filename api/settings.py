@@ -125,6 +125,14 @@ class Settings(BaseSettings):
         description="Streams (followed events and logs) one API key holds at once, in all of the server's "
         "processes (`--workers`); more get 429. Not for the admin key.",
     )
+    usage_sync_seconds: float = Field(
+        default=1.0,
+        ge=0,
+        le=10,  # (a replica's heartbeat goes with a pass: api.usage.STALE_SECONDS is 30)
+        description="How often the server shares each API key's use of its rate limit and streams with the "
+        "other replicas on the database, and learns of keys revoked there (api.usage); 0: each replica "
+        "counts its own.",
+    )
     stream_recheck_seconds: float = Field(
         default=10.0,
         gt=0,

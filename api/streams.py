@@ -7,12 +7,14 @@ Kubernetes API. A request's key is checked once, when it starts. So:
 
 - one API key follows at most `max_streams_per_key` at once (the bootstrap admin key and the keyless
   single-user mode only the totals): one client that opens streams in a loop cannot take them all. Counted
-  over all of `tputune serve --workers N`'s processes (`SharedKeyStreams`), per replica;
+  over all of `tputune serve --workers N`'s processes (`SharedKeyStreams`), and the other replicas' as
+  of their last pass (api.usage: `set_remote`);
 - at most `max_event_followers` and `max_log_followers` in all, per API process (what each process can
   carry): more are refused with 429 and `Retry-After`, not left waiting;
 - a stream whose key is revoked meanwhile ends within `stream_recheck_seconds` (`Streams.watch`): one
   query for all the keys that follow, not one per stream. Revoked through one of the server's processes,
-  its streams in the others end within a second (`Streams.revoke`).
+  its streams in the others end within a second (`Streams.revoke`); through another replica, within a
+  pass of api.usage after (`Streams.revoked`).
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ class Streams:
         self._open: set[Stream] = set()
         self._kinds: Counter[str] = Counter()
         self._keys: Counter[str] = Counter()
+        self._remote: dict[int, int] = {}  # (without `shared`: each key's streams in other replicas)
+        self._revocations = 0  # (without `shared`: how many times `revoked` was called)
         self.closing = False  # (shutting down: no new streams)
         _ALL.add(self)
 
@@ -128,7 +132,7 @@ class Streams:
                 )
             counted = False
             if key not in _UNCHECKED_KEYS:
-                held = self._keys[key]
+                held = self._keys[key] + (self._remote.get(digest(key), 0) if self._remote else 0)
                 if self.shared is not None and held < self.per_key:
                     across, counted = self.shared.take(key, self.per_key)  # (counted: fewer than per_key)
                     held = max(held, across)  # (more here if some were not counted: the table was full)
@@ -169,11 +173,11 @@ class Streams:
         calling `on_revoked` first (the key cache is forgotten). A failed check (the database away) ends
         nothing; the next one tries again."""
         loop = asyncio.get_running_loop()
-        seen = self.shared.revocations() if self.shared is not None else 0
+        seen = self.revocations()
         checked = loop.time()
         while True:
-            await asyncio.sleep(REVOKED_POLL_SECONDS if self.shared is not None else self.recheck_seconds)
-            revocations = self.shared.revocations() if self.shared is not None else seen
+            await asyncio.sleep(min(REVOKED_POLL_SECONDS, self.recheck_seconds))
+            revocations = self.revocations()
             if revocations == seen and loop.time() - checked < self.recheck_seconds:
                 continue
             if revocations != seen and on_revoked is not None:
@@ -187,9 +191,35 @@ class Streams:
     def revoke(self, key_ids: set[str]) -> int:
         """These keys were revoked (and committed): end their streams here, and have the server's other
         processes look at once; how many ended here."""
+        self.revoked()
+        return self.end_keys(key_ids)
+
+    def revoked(self) -> None:
+        """Some key was revoked (here, or in another replica: api.usage): every process of the server
+        forgets its key cache and rechecks its streams' keys within REVOKED_POLL_SECONDS (`watch`)."""
         if self.shared is not None:
             self.shared.revoked()
-        return self.end_keys(key_ids)
+        else:
+            with self._lock:
+                self._revocations += 1
+
+    def revocations(self) -> int:
+        return self.shared.revocations() if self.shared is not None else self._revocations
+
+    def local_counts(self) -> dict[int, int]:
+        """The streams each key (api.mapped.digest) follows in this server (for api.usage)."""
+        if self.shared is not None:
+            return self.shared.local_counts()
+        with self._lock:
+            return {digest(key): count for key, count in self._keys.items() if key not in _UNCHECKED_KEYS}
+
+    def set_remote(self, counts: dict[int, int]) -> None:
+        """The streams each key follows in the other replicas now (api.usage): they count to its share."""
+        if self.shared is not None:
+            self.shared.set_remote(counts)
+            return
+        with self._lock:
+            self._remote = dict(counts)
 
     async def recheck(self, valid_keys: Callable[[set[str]], Awaitable[set[str]]]) -> int:
         """End the streams whose key was revoked; how many."""
@@ -228,6 +258,7 @@ class Streams:
 
 STREAMS_FILE = "streams.shared"
 _ROW = struct.Struct("QQQ")  # key hash (0: free), the pid of the process that holds them, how many
+REMOTE = (1 << 64) - 1  # the "pid" of rows that count a key's streams in the other replicas (api.usage)
 _COUNT = struct.Struct("Q")
 
 
@@ -268,7 +299,7 @@ class SharedKeyStreams:
             held, mine, free = 0, None, None
             for offset in self._window(key_digest):
                 stored, pid, count = _ROW.unpack_from(table, offset)
-                if count and pid != self.pid and not alive(pid):
+                if count and pid not in (self.pid, REMOTE) and not alive(pid):
                     _ROW.pack_into(table, offset, 0, 0, 0)  # (its process died holding them)
                     count = 0
                 if not count:
@@ -296,6 +327,32 @@ class SharedKeyStreams:
                 if stored == key_digest and pid == self.pid and count:
                     _ROW.pack_into(table, offset, *((key_digest, pid, count - 1) if count > 1 else (0, 0, 0)))
                     return
+
+    def local_counts(self) -> dict[int, int]:
+        """The streams each key follows in this server's live processes (not the other replicas')."""
+        counts: Counter[int] = Counter()
+        with self._file.locked() as table:
+            rows = list(_ROW.iter_unpack(table[: self.rows * _ROW.size]))
+        for stored, pid, count in rows:
+            if count and pid != REMOTE and (pid == self.pid or alive(pid)):
+                counts[stored] += count
+        return dict(counts)
+
+    def set_remote(self, counts: dict[int, int]) -> None:
+        """The streams each key follows in the other replicas now: a row each (pid REMOTE), which `take`
+        counts. A key that finds no free row for it is not counted (as in `take`)."""
+        pending = {key_digest: count for key_digest, count in counts.items() if count > 0}
+        with self._file.locked() as table:
+            for index, (stored, pid, _) in enumerate(_ROW.iter_unpack(table[: self.rows * _ROW.size])):
+                if pid == REMOTE:
+                    count = pending.pop(stored, 0)
+                    row = (stored, REMOTE, count) if count else (0, 0, 0)
+                    _ROW.pack_into(table, index * _ROW.size, *row)
+            for key_digest, count in pending.items():
+                for offset in self._window(key_digest):
+                    if not _ROW.unpack_from(table, offset)[2]:
+                        _ROW.pack_into(table, offset, key_digest, REMOTE, count)
+                        break
 
     def revoked(self) -> None:
         """A key was revoked: the processes' watches look (`Streams.watch`)."""
