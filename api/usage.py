@@ -184,25 +184,20 @@ class UsageSync:
                     )
                 )
             rows = connection.execute(
-                select(USAGE.replica, USAGE.key_digest, USAGE.since, USAGE.spent, USAGE.streams).where(
-                    USAGE.replica != self.replica
-                )
+                select(
+                    USAGE.replica, USAGE.key_digest, USAGE.since, USAGE.spent, USAGE.streams, USAGE.seen_at
+                ).where(USAGE.replica != self.replica)
             ).all()
-            heartbeats = dict(
-                connection.execute(
-                    select(USAGE.replica, USAGE.seen_at).where(
-                        USAGE.key_digest == HEARTBEAT,
-                        USAGE.replica != self.replica,
-                    )
-                ).all()
-            )
+            heartbeats = {
+                replica: seen_at for replica, key_digest, *_, seen_at in rows if key_digest == HEARTBEAT
+            }
             forgotten = [name for name, seen_at in heartbeats.items() if now - seen_at >= FORGET_SECONDS]
             if forgotten:
                 connection.execute(delete(KeyUsage).where(USAGE.replica.in_(forgotten)))
             revoked = connection.execute(
                 select(func.count()).select_from(KEYS).where(KEYS.c.revoked_at.is_not(None))
             ).scalar_one()
-        return [tuple(row) for row in rows], heartbeats, idle, int(revoked)
+        return [tuple(row[:5]) for row in rows], heartbeats, idle, int(revoked)
 
     def _changes(self, now: float) -> list[dict[str, object]]:
         """Our rows to write: those whose spending or streams changed, and the heartbeat when due."""
