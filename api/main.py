@@ -25,6 +25,7 @@ from api.reader import make_reader
 from api.routes import dashboard, health, jobs, keys
 from api.settings import Settings
 from api.streams import EVENTS, LOGS, EventWatch, SharedKeyStreams, Streams
+from api.usage import USAGE_STATS_FILE, UsageStats
 from api.writer import make_writer
 
 DESCRIPTION = """Fine-tune Gemma 3 with JAX: on a GKE TPU slice as a JobSet, or as local worker processes.
@@ -129,6 +130,8 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
         if settings.dispatcher_enabled:
             load = RequestLoad()  # a dispatcher thread yields to requests (a process does not share the GIL)
             dispatcher = wakes = make_dispatcher(engine, executor, settings, metrics, api_busy=load.busy)
+    if settings.usage_sync_seconds > 0:  # (the server's pass, api.usage, writes them)
+        metrics.registry.register(UsageStats(settings.data_dir / USAGE_STATS_FILE))
     job_writer = make_writer(engine, on_commit=wakes.wake if wakes is not None else None)
     buckets = SharedBuckets(settings.data_dir / BUCKETS_FILE) if worker else LocalBuckets()
     streams = Streams(

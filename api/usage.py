@@ -22,19 +22,25 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, cast
 
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 from sqlalchemy import Table, delete, func, select
 from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 
 from api.auth import Buckets
+from api.mapped import MappedFile
 from api.models import ApiKey, KeyUsage
 from api.settings import Settings
 
@@ -48,6 +54,33 @@ STALE_SECONDS = 30.0  # a replica whose heartbeat is older is not counted (it di
 FORGET_SECONDS = 600.0  # ... and its rows are deleted
 IDLE_SECONDS = 300.0  # a row of ours unchanged this long, with no streams, is deleted (a bucket refills well
 # within it at any rate limit that matters)
+
+
+USAGE_STATS_FILE = "usage.stats"
+_STATS = struct.Struct("dd")  # the last pass that worked (Unix time), the replicas it saw (itself included)
+LAST_PASS = (
+    "tputune_usage_last_pass_timestamp_seconds",
+    "When this server last shared its API keys' use of their limits with the other replicas "
+    "(lag = now - this; TPUTUNE_USAGE_SYNC_SECONDS apart while it works)",
+)
+REPLICAS = ("tputune_replicas", "Replicas of the server sharing API keys' limits, this one included")
+
+
+class UsageStats(Collector):
+    """The last pass's figures, in a file of the data dir: the pass writes them (in the server's supervisor
+    with `--workers N`), every process's /metrics reads them."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = MappedFile(path, _STATS.size)
+
+    def record(self, last_pass: float, replicas: int) -> None:
+        with self._file.locked() as table:
+            _STATS.pack_into(table, 0, last_pass, replicas)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        last_pass, replicas = _STATS.unpack_from(self._file.map)
+        yield GaugeMetricFamily(*LAST_PASS, value=last_pass)
+        yield GaugeMetricFamily(*REPLICAS, value=replicas)
 
 
 class StreamCounts(Protocol):
@@ -96,6 +129,7 @@ class UsageSync:
         burst: float,
         interval: float = 1.0,
         replica: str | None = None,
+        stats: UsageStats | None = None,
     ) -> None:
         self.engine = engine
         self.buckets = buckets if rate > 0 else None
@@ -112,6 +146,9 @@ class UsageSync:
         self._thread: threading.Thread | None = None
         self._failing = False
         self._insert = postgresql_insert if engine.dialect.name == "postgresql" else sqlite_insert
+        self.stats = stats
+        if stats is not None:
+            stats.record(0.0, 0)  # (none yet: not the last server's)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="tputune-usage-sync", daemon=True)
@@ -157,6 +194,8 @@ class UsageSync:
             self._rows[key_digest].deleted = True
         live = {replica for replica, seen_at in heartbeats.items() if now - seen_at < STALE_SECONDS}
         self._apply([row for row in rows if row[0] in live and row[1] != HEARTBEAT])
+        if self.stats is not None:
+            self.stats.record(time.time(), len(live) + 1)
         if self._revoked is not None and revoked != self._revoked:
             self.streams.revoked()
         self._revoked = revoked
@@ -279,6 +318,7 @@ def start_usage_sync(
         rate=settings.rate_limit_per_second,
         burst=float(settings.rate_limit_burst),
         interval=settings.usage_sync_seconds,
+        stats=UsageStats(settings.data_dir / USAGE_STATS_FILE),
     )
     sync.start()
     return sync

@@ -74,6 +74,10 @@ def test_a_keys_rate_limit_holds_across_replicas(tmp_path: Path, dataset: Path, 
         assert sum(passed.values()) <= most, (passed, elapsed)
         assert sum(passed.values()) >= rate * elapsed / 2 and min(passed.values()) >= 2, passed
         assert refused > 100
+        # Each says on /metrics that it shares with the other, and when it last did.
+        for server in (a, b):
+            assert server.metric("tputune_replicas") == 2
+            assert time.time() - server.metric("tputune_usage_last_pass_timestamp_seconds") < 2
 
 
 def test_a_keys_streams_count_in_both_replicas_and_revoking_it_acts_in_both(

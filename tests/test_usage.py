@@ -21,7 +21,7 @@ from api.auth import SharedBuckets, hash_key
 from api.db import make_engine
 from api.models import ApiKey, utcnow
 from api.streams import SharedKeyStreams
-from api.usage import FORGET_SECONDS, IDLE_SECONDS, STALE_SECONDS, UsageSync
+from api.usage import FORGET_SECONDS, IDLE_SECONDS, STALE_SECONDS, UsageStats, UsageSync
 
 RATE = 0.001  # (a token in 1,000 s: none comes back during a test)
 BURST = 10
@@ -221,3 +221,28 @@ def test_a_key_revoked_elsewhere_has_this_replica_look(replicas: list[Replica], 
     assert b.streams.revocations() == seen + 1
     sync(b)
     assert b.streams.revocations() == seen + 1
+
+
+def test_the_last_pass_and_the_replicas_seen_are_figures_for_metrics(
+    tmp_path: Path, engine: Engine, replicas: list[Replica]
+) -> None:
+    a, b = replicas
+    stats = UsageStats(tmp_path / "usage.stats")
+    UsageStats(tmp_path / "usage.stats").record(123.0, 5)  # (the last server's: cleared)
+    c = UsageSync(
+        engine, None, SharedKeyStreams(tmp_path / "c", rows=4096, reset=True), RATE, BURST, stats=stats
+    )
+
+    def figures() -> dict[str, float]:
+        return {family.name: family.samples[0].value for family in stats.collect()}
+
+    assert figures() == {"tputune_usage_last_pass_timestamp_seconds": 0.0, "tputune_replicas": 0.0}
+    sync(a, b)
+    before = time.time()
+    c.sync()
+    seen = figures()
+    assert seen["tputune_replicas"] == 3
+    assert before <= seen["tputune_usage_last_pass_timestamp_seconds"] <= time.time()
+    a.sync.stop()
+    c.sync()
+    assert figures()["tputune_replicas"] == 2
