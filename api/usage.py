@@ -1,7 +1,7 @@
 """What each replica of the server has used of every API key's limits, shared through the database, so that
 a key's limits hold across replicas (the manifests run two), not only across one server's processes.
 
-Once a `usage_sync_seconds` (a thread of `tputune serve`: api.server), each server
+Every `usage_sync_seconds` (on a thread of `tputune serve`: api.server), each server
 - writes, for every key it served since the last pass, the rate-limit tokens it spent and the streams it
   follows now: its rows of `key_usage` (api.models.KeyUsage), and a heartbeat every HEARTBEAT_SECONDS;
 - reads the other replicas' rows, takes what they spent since its last pass from its own buckets

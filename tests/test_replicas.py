@@ -37,10 +37,10 @@ def two_replicas(
         "TPUTUNE_USAGE_SYNC_SECONDS": SYNC,
     }
     made = []
-    for name, extra in (("a", {"TPUTUNE_WORKERS": "2"}), ("b", {"TPUTUNE_DISPATCHER_ENABLED": "false"})):
+    for name, workers, extra in (("a", 2, {}), ("b", 1, {"TPUTUNE_DISPATCHER_ENABLED": "false"})):
         folder = tmp_path / name
         folder.mkdir()
-        made.append(Server(folder, dataset, **common, **extra, **env))
+        made.append(Server(folder, dataset, workers, **common, **extra, **env))
     with contextlib.ExitStack() as stack:
         for server in made:
             stack.callback(kill_runs, server.data_dir / "jobs")
@@ -49,12 +49,24 @@ def two_replicas(
         yield made[0], made[1]
 
 
+def passes(*servers: Server) -> None:
+    """Wait until each replica has seen what the others had done before the call: two passes of each."""
+    for _ in range(2):
+        since = time.time()
+        for server in servers:
+            deadline = time.monotonic() + 10
+            while server.metric("tputune_usage_last_pass_timestamp_seconds") <= since:
+                assert time.monotonic() < deadline, "no pass"
+                time.sleep(0.05)
+
+
 def test_a_keys_rate_limit_holds_across_replicas(tmp_path: Path, dataset: Path, postgres_db_url: str) -> None:
     rate, burst, seconds = 2.0, 2, 6.0
     env = {"TPUTUNE_RATE_LIMIT_PER_SECOND": str(rate), "TPUTUNE_RATE_LIMIT_BURST": str(burst)}
     with two_replicas(tmp_path, dataset, postgres_db_url, **env) as (a, b):
         _, auth = make_key(a)
-        time.sleep(0.5)  # (both replicas' first passes: they see each other)
+        passes(a, b)
+        assert a.metric("tputune_replicas") == b.metric("tputune_replicas") == 2
         passed = {a.url: 0, b.url: 0}
         refused = 0
         started = time.monotonic()
@@ -89,7 +101,7 @@ def test_a_keys_streams_count_in_both_replicas_and_revoking_it_acts_in_both(
         job_id = slow_job(a, dataset, auth)
         followed = [follow(stack, a, job_id, auth), follow(stack, b, job_id, auth)]
         assert [response.status_code for response in followed] == [200, 200]
-        time.sleep(1.0)  # (a few passes)
+        passes(a, b)
         for server in (a, b):
             third = follow(stack, server, job_id, auth)
             assert third.status_code == 429  # (before reading: an admitted stream would not end)
