@@ -129,5 +129,8 @@ def test_a_keys_streams_count_in_both_replicas_and_revoking_it_acts_in_both(
         )
         refused_after = time.monotonic() - revoked_at
         reader.join(timeout=5)
-        assert ended and ended[0] - revoked_at < 3, (ended, revoked_at)
+        assert ended, "b's stream did not end"
+        stream_ended = ended[0] - revoked_at
+        print(f"b refused the key {refused_after:.2f} s after, its stream ended {stream_ended:.2f} s after")
+        assert stream_ended < 3
         assert refused_after < 3
