@@ -17,10 +17,12 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from api.auth import SharedBuckets, hash_key
+from api.auth import LocalBuckets, Principal, SharedBuckets, hash_key
 from api.db import make_engine
+from api.errors import ApiError
 from api.models import ApiKey, utcnow
-from api.streams import SharedKeyStreams
+from api.settings import Settings
+from api.streams import EVENTS, SharedKeyStreams, Streams
 from api.usage import FORGET_SECONDS, IDLE_SECONDS, STALE_SECONDS, UsageStats, UsageSync
 
 RATE = 0.001  # (a token in 1,000 s: none comes back during a test)
@@ -78,9 +80,10 @@ def test_what_one_replica_spends_is_taken_from_the_others_buckets(replicas: list
     sync(b, a)
     assert a.spend("key_y") == 7
     # Passes with nothing new charge nothing again.
-    sync(a, b, a, b)
+    assert a.spend("key_w", most=2) == 2
+    sync(a, b, a, b, a, b)
+    assert b.spend("key_w") == 8
     assert b.buckets.take("key_y", RATE, BURST) is not None
-    assert a.buckets.take("key_z", RATE, BURST) is None
 
 
 def test_spending_before_a_replica_started_is_not_charged(
@@ -246,3 +249,42 @@ def test_the_last_pass_and_the_replicas_seen_are_figures_for_metrics(
     a.sync.stop()
     c.sync()
     assert figures()["tputune_replicas"] == 2
+
+
+def test_a_one_process_server_shares_alike(tmp_path: Path, engine: Engine, replicas: list[Replica]) -> None:
+    """`tputune serve` with one process keeps its buckets and streams in memory (LocalBuckets, Streams)."""
+    a = replicas[0]
+    buckets = LocalBuckets()
+    streams = Streams(Settings(data_dir=tmp_path, max_streams_per_key=3))
+    one = UsageSync(engine, buckets, streams, RATE, BURST, replica="one")
+    principal = Principal(tenant="t", key_id="key_x")
+    sync(a)
+    one.sync()
+    assert a.spend("key_x", most=4) == 4
+    assert [buckets.take("key_x", RATE, BURST) for _ in range(2)] == [None, None]
+    held = [streams.admit(EVENTS, principal), streams.admit(EVENTS, principal)]
+    assert a.streams.take("key_x", 3) == (0, True)
+    sync(a)
+    one.sync()
+    a.sync.sync()
+    assert sum(buckets.take("key_x", RATE, BURST) is None for _ in range(10)) == 4  # 10 - 4 - 2
+    assert a.spend("key_x") == 4  # 10 - 4 - 2 (one's last four are not in a pass yet)
+    one.sync()
+    a.sync.sync()
+    assert a.spend("key_x") == 0 and buckets.take("key_x", RATE, BURST) is not None  # both in debt now
+    with pytest.raises(ApiError) as refused:
+        streams.admit(EVENTS, principal)  # two here, one in a
+    assert refused.value.status == 429 and refused.value.code == "too_many_streams"
+    assert a.streams.take("key_x", 3) == (3, False)
+    streams.release(held.pop())
+    one.sync()
+    a.sync.sync()
+    assert a.streams.take("key_x", 3) == (2, True)
+    seen = streams.revocations()
+    with Session(engine) as session:
+        session.add(
+            ApiKey(id="key_1", tenant="t", name="n", prefix="p", key_hash=hash_key("k"), revoked_at=utcnow())
+        )
+        session.commit()
+    one.sync()
+    assert streams.revocations() == seen + 1
