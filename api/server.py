@@ -23,8 +23,8 @@ all on SIGTERM/SIGINT. Between the workers:
 The API-key cache (5 s) is per process; a key revoked through one worker is forgotten by the others
 within a second, and its followed streams there end (api.streams.Streams.revoke).
 
-Either way a thread of this process shares the key's use of its limits with the server's other replicas,
-and learns of keys revoked through them (api.usage, TPUTUNE_USAGE_SYNC_SECONDS).
+With one worker or N, a thread of this process shares each API key's use of its limits with the server's
+other replicas, and learns of keys revoked through them (api.usage, TPUTUNE_USAGE_SYNC_SECONDS).
 
 Either way uvicorn's httptools protocol writes through `_CoalescedWrites`: a response's headers and body in
 one write(2) and one TCP segment, where uvicorn made two.

@@ -12,9 +12,10 @@ Every `usage_sync_seconds` (on a thread of `tputune serve`: api.server), each se
 
 So a key's rate is its limit in all (not one limit per replica), within what the replicas spend in one
 pass before they see each other's spending; and its streams' share is exact within a pass. A replica that
-stops deletes its rows; one killed stops counting when its heartbeat is STALE_SECONDS old, and its rows
-are deleted after FORGET_SECONDS. The database away: nothing is shared meanwhile, each replica counts its
-own, and a later pass catches up (the spending is counted, not sampled).
+stops deletes its rows; one killed stops counting when its heartbeat is STALE_SECONDS old (on the
+database's clock, not the replicas' own), and its rows are deleted after FORGET_SECONDS. The database
+away: nothing is shared meanwhile, each replica counts its own, and a later pass catches up (the spending
+is counted, not sampled).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Protocol, cast
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from sqlalchemy import Table, delete, func, select
+from sqlalchemy import Float, Table, delete, extract, func, select
 from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
@@ -81,6 +82,11 @@ class UsageStats(Collector):
         last_pass, replicas = _STATS.unpack_from(self._file.map)
         yield GaugeMetricFamily(*LAST_PASS, value=last_pass)
         yield GaugeMetricFamily(*REPLICAS, value=replicas)
+
+
+# The database's clock as Unix time: the heartbeats' ages are measured on it, not on each replica's.
+_UNIX_NOW_POSTGRESQL = extract("epoch", func.now()).cast(Float)
+_UNIX_NOW_SQLITE = (func.julianday("now") - 2440587.5) * 86400.0
 
 
 class StreamCounts(Protocol):
@@ -145,7 +151,9 @@ class UsageSync:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = False
-        self._insert = postgresql_insert if engine.dialect.name == "postgresql" else sqlite_insert
+        postgresql = engine.dialect.name == "postgresql"
+        self._insert = postgresql_insert if postgresql else sqlite_insert
+        self._clock = _UNIX_NOW_POSTGRESQL if postgresql else _UNIX_NOW_SQLITE
         self.stats = stats
         if stats is not None:
             stats.record(0.0, 0)  # (none yet: not the last server's)
@@ -184,7 +192,7 @@ class UsageSync:
         heartbeat_at = self._heartbeat_at
         changed = self._changes(now)
         try:
-            rows, heartbeats, idle, revoked = self._exchange(changed, now)
+            rows, ages, idle, revoked = self._exchange(changed, now)
         except Exception:
             self._heartbeat_at = heartbeat_at  # (and the rows stay pending: written next time)
             raise
@@ -192,7 +200,7 @@ class UsageSync:
             row.pending = False
         for key_digest in idle:
             self._rows[key_digest].deleted = True
-        live = {replica for replica, seen_at in heartbeats.items() if now - seen_at < STALE_SECONDS}
+        live = {replica for replica, age in ages.items() if age < STALE_SECONDS}
         self._apply([row for row in rows if row[0] in live and row[1] != HEARTBEAT])
         if self.stats is not None:
             self.stats.record(time.time(), len(live) + 1)
@@ -203,9 +211,16 @@ class UsageSync:
     def _exchange(
         self, changed: list[dict[str, object]], now: float
     ) -> tuple[list[tuple[str, int, float, float, int]], dict[str, float], list[int], int]:
-        """One transaction: our changed rows written, and idle ones deleted; the other replicas' rows and
-        heartbeats read (and those of replicas long dead deleted); the revoked keys counted."""
+        """One transaction: the revoked keys counted; our changed rows written, and idle ones deleted; the
+        other replicas' rows read, with how old their heartbeats are (those of replicas long dead deleted)."""
         with self.engine.begin() as connection:
+            # (the database's clock: the replicas' own may disagree)
+            revoked, clock = connection.execute(
+                select(func.count(), self._clock).select_from(KEYS).where(KEYS.c.revoked_at.is_not(None))
+            ).one()
+            clock = float(clock)
+            for row in changed:
+                row["seen_at"] = clock
             if changed:
                 statement = self._insert(KeyUsage)
                 values = ("since", "spent", "streams", "seen_at")
@@ -230,13 +245,11 @@ class UsageSync:
             heartbeats = {
                 replica: seen_at for replica, key_digest, *_, seen_at in rows if key_digest == HEARTBEAT
             }
-            forgotten = [name for name, seen_at in heartbeats.items() if now - seen_at >= FORGET_SECONDS]
+            ages = {replica: clock - seen_at for replica, seen_at in heartbeats.items()}
+            forgotten = [replica for replica, age in ages.items() if age >= FORGET_SECONDS]
             if forgotten:
                 connection.execute(delete(KeyUsage).where(USAGE.replica.in_(forgotten)))
-            revoked = connection.execute(
-                select(func.count()).select_from(KEYS).where(KEYS.c.revoked_at.is_not(None))
-            ).scalar_one()
-        return [tuple(row[:5]) for row in rows], heartbeats, idle, int(revoked)
+        return [tuple(row[:5]) for row in rows], ages, idle, int(revoked)
 
     def _changes(self, now: float) -> list[dict[str, object]]:
         """Our rows to write: those whose spending or streams changed, and the heartbeat when due."""

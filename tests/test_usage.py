@@ -141,15 +141,26 @@ def test_a_replica_that_stops_is_not_counted(replicas: list[Replica], engine: En
 
 def test_a_replica_that_died_stops_counting_then_its_rows_go(replicas: list[Replica], engine: Engine) -> None:
     """A replica killed (no pass deletes its rows): its streams count until its heartbeat is stale, and
-    its rows are deleted later."""
+    its rows are deleted later. Ages are on the database's clock (here, a's heartbeat is made older)."""
     a, b = replicas
     a.streams.take("key_x", 2)
     a.streams.take("key_x", 2)
-    sync(a, b, now=T0)
+    sync(a, b)
     assert b.streams.take("key_x", 2) == (2, False)
-    sync(b, now=T0 + STALE_SECONDS - 1)
+    with engine.connect() as connection:
+        heartbeat = "SELECT seen_at FROM key_usage WHERE replica = 'a' AND key_digest = 0"
+        assert abs(connection.execute(text(heartbeat)).scalar_one() - time.time()) < 5  # (Unix time)
+
+    def age_a(seconds: float) -> None:
+        with engine.begin() as connection:
+            aged = "UPDATE key_usage SET seen_at = seen_at - :seconds WHERE replica = 'a'"
+            connection.execute(text(aged), {"seconds": seconds})
+
+    age_a(STALE_SECONDS - 2)
+    sync(b)
     assert b.streams.take("key_x", 2) == (2, False)
-    sync(b, now=T0 + STALE_SECONDS)
+    age_a(2)
+    sync(b)
     assert b.streams.take("key_x", 2) == (0, True)
 
     def replicas_stored() -> set[str]:
@@ -157,7 +168,8 @@ def test_a_replica_that_died_stops_counting_then_its_rows_go(replicas: list[Repl
             return set(connection.execute(text("SELECT replica FROM key_usage")).scalars())
 
     assert replicas_stored() == {"a", "b"}
-    sync(b, now=T0 + FORGET_SECONDS)
+    age_a(FORGET_SECONDS - STALE_SECONDS)
+    sync(b)
     assert replicas_stored() == {"b"}
 
 
