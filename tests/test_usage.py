@@ -173,6 +173,16 @@ def test_a_replica_that_died_stops_counting_then_its_rows_go(replicas: list[Repl
     assert replicas_stored() == {"b"}
 
 
+def test_a_replica_whose_clock_is_off_is_counted(replicas: list[Replica]) -> None:
+    """Heartbeats are aged on the database's clock: one taken on a's own, a minute behind, read as dead."""
+    a, b = replicas
+    a.streams.take("key_x", 2)
+    a.streams.take("key_x", 2)
+    sync(a, now=time.time() - 60)
+    sync(b)
+    assert b.streams.take("key_x", 2) == (2, False)
+
+
 def test_an_idle_row_is_deleted_and_made_again_without_charging_twice(
     replicas: list[Replica], engine: Engine
 ) -> None:
