@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from api.auth import COOKIE_NAME, Authenticator, Principal
 from api.errors import ApiError
 from api.executors import Executor
+from api.observability import CALLER
 from api.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ async def caller(request: Request) -> Principal:
     principal = auth.authenticate_cached(key)
     if principal is None:  # a key not looked up in the last few seconds: ask the database
         principal = await run_in_threadpool(auth.authenticate, key)
+    request.scope.setdefault("state", {})[CALLER] = principal  # (for the access log)
     auth.check_rate(principal)
     return principal
 

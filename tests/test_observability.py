@@ -90,6 +90,47 @@ def test_access_log_a_line_per_request_with_its_request_id(client: TestClient) -
     assert lines[0]["http"]["ms"] >= 0 and "GET /healthz 200" in lines[0]["message"]
 
 
+def test_access_log_names_the_callers_key_and_tenant_never_the_key(
+    make_settings: Callable[..., Settings],
+) -> None:
+    """A platform team reads who made a request, and which key a 429 limited, from the access log."""
+    settings = make_settings(
+        dispatcher_enabled=False,
+        admin_key="admin-key-observed",
+        rate_limit_per_second=0.001,
+        rate_limit_burst=3,
+    )
+    with TestClient(create_app(settings)) as client:
+        admin = {"Authorization": "Bearer admin-key-observed"}
+        created = client.post("/admin/keys", json={"tenant": "research", "name": "ci"}, headers=admin).json()
+        key = {"Authorization": f"Bearer {created['key']}"}
+
+        def run() -> None:
+            client.get("/jobs/ft-nope", headers=key)  # (a route served directly: api.direct_routes)
+            for _ in range(3):
+                client.get("/jobs", headers=key)
+            client.get("/jobs", headers={"Authorization": "Bearer tpt_unknown_key"})
+            client.get("/healthz")
+
+        stream = io.StringIO()
+        lines = [
+            line for line in _capture_json_logs(run, stream=stream) if line["logger"] == "tputune.access"
+        ]
+    seen = [(line["http"]["status"], line["http"].get("key"), line["http"].get("tenant")) for line in lines]
+    key_id = created["id"]
+    assert seen == [
+        (404, key_id, "research"),
+        (200, key_id, "research"),
+        (200, key_id, "research"),
+        (429, key_id, "research"),
+        (401, None, None),
+        (200, None, None),
+    ]
+    assert " GET /jobs 200 " in lines[1]["message"]
+    assert lines[1]["message"].endswith(f" ms key={key_id} tenant=research")
+    assert created["key"] not in stream.getvalue() and "tpt_unknown_key" not in stream.getvalue()
+
+
 def test_access_log_lines_cannot_be_forged_through_the_path(client: TestClient) -> None:
     """A path's control characters (%0A, a new line in the text log) are written escaped, as sent."""
     lines = _capture_json_logs(lambda: client.get("/jobs/x%0A127.0.0.1:1 GET /admin 200%09%00"))
