@@ -15,15 +15,18 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import OperationalError
 from sqlmodel import Session
 
 from api.auth import LocalBuckets, Principal, SharedBuckets, hash_key
 from api.db import make_engine
 from api.errors import ApiError
+from api.migrate import upgrade
 from api.models import ApiKey, utcnow
 from api.settings import Settings
 from api.streams import EVENTS, SharedKeyStreams, Streams
 from api.usage import FORGET_SECONDS, IDLE_SECONDS, STALE_SECONDS, UsageStats, UsageSync
+from tests.support.postgres import PostgresServer
 
 RATE = 0.001  # (a token in 1,000 s: none comes back during a test)
 BURST = 10
@@ -310,3 +313,43 @@ def test_a_one_process_server_shares_alike(tmp_path: Path, engine: Engine, repli
         session.commit()
     one.sync()
     assert streams.revocations() == seen + 1
+
+
+@pytest.mark.postgres
+def test_what_a_replica_spends_while_postgresql_is_down_is_shared_when_it_is_back(
+    own_postgres: PostgresServer, tmp_path: Path
+) -> None:
+    """The database restarted: the passes fail fast meanwhile, and the first one after takes it all
+    (the spending is counted, not sampled); nothing restarts the replicas."""
+    url = own_postgres.create_database("usage")
+    upgrade(url)
+    engine = make_engine(url, 2)
+    try:
+        made = []
+        for name in ("a", "b"):
+            buckets = SharedBuckets(tmp_path / f"{name}.buckets", reset=True)
+            streams = SharedKeyStreams(tmp_path / f"{name}.streams", rows=4096, reset=True)
+            made.append(
+                Replica(buckets, streams, UsageSync(engine, buckets, streams, RATE, BURST, replica=name))
+            )
+        a, b = made
+        sync(a, b)
+        assert a.spend("key_x", most=3) == 3
+        own_postgres.stop("fast")
+        assert a.spend("key_x", most=4) == 4
+        started = time.monotonic()
+        with pytest.raises(OperationalError):
+            a.sync.sync()  # (what it would have written is written by the next pass)
+        assert time.monotonic() - started < 10  # (connect_timeout: fails fast, does not hang)
+        own_postgres.start()
+        deadline = time.monotonic() + 30
+        while True:  # (a pooled connection from before the restart may fail once)
+            try:
+                sync(a)
+                break
+            except OperationalError:
+                assert time.monotonic() < deadline
+        sync(b)
+        assert b.spend("key_x") == 3  # 10 less a's 3 + 4
+    finally:
+        engine.dispose()
