@@ -211,22 +211,12 @@ class RequestContext:
             "ms": round(elapsed * 1000, 1),
         }
         caller = (scope.get("state") or {}).get(CALLER)
-        if caller is None or caller.key_id == "anonymous":  # (no key, or the keyless single-user mode)
-            access_log.info(
-                "%s %s %s %d %.1f ms", address, method, path, status, elapsed * 1000, extra={"http": http}
-            )
-            return
-        http["key"], http["tenant"] = caller.key_id, caller.tenant  # (the key's id, never the key)
+        who = ""
+        if caller is not None and caller.key_id != "anonymous":  # (not the keyless single-user mode)
+            http["key"], http["tenant"] = caller.key_id, caller.tenant  # (the key's id, never the key)
+            who = f" key={caller.key_id} tenant={caller.tenant}"
         access_log.info(
-            "%s %s %s %d %.1f ms key=%s tenant=%s",
-            address,
-            method,
-            path,
-            status,
-            elapsed * 1000,
-            caller.key_id,
-            caller.tenant,
-            extra={"http": http},
+            "%s %s %s %d %.1f ms%s", address, method, path, status, elapsed * 1000, who, extra={"http": http}
         )
 
 

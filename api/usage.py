@@ -147,6 +147,7 @@ class UsageSync:
         self._heartbeat_at = -HEARTBEAT_SECONDS
         self.started = time.time()
         self._others: dict[tuple[str, int], tuple[float, float]] = {}  # (replica, digest): (since, spent)
+        self._remote: dict[int, int] | None = None  # the other replicas' streams, as last handed on
         self._revoked: int | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -315,7 +316,9 @@ class UsageSync:
         self._others = others
         if charges and self.buckets is not None:
             self.buckets.charge(charges, self.rate, self.burst)
-        self.streams.set_remote(dict(streams))
+        if streams != self._remote:  # (set_remote walks the workers' whole table under their lock)
+            self._remote = dict(streams)
+            self.streams.set_remote(self._remote)
 
 
 def start_usage_sync(
