@@ -14,15 +14,17 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol
 
+from sqlalchemy import bindparam, or_, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from api.errors import ApiError
 from api.mapped import MappedFile, digest
-from api.models import ApiKey
+from api.models import ApiKey, as_utc
 from api.settings import Settings
 
 KEY_PREFIX = "tpt_"
@@ -30,6 +32,7 @@ DEFAULT_TENANT = "default"
 COOKIE_NAME = "tputune_key"
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 _CACHE_SECONDS = 5.0
+USE_FLUSH_SECONDS = 60.0  # how often a process writes when its keys were last used (api_keys.last_used_at)
 BUCKETS_FILE = "ratelimit.buckets"
 
 
@@ -57,20 +60,35 @@ def new_api_key() -> tuple[str, str, str, str]:
     return f"key_{key_id}", prefix, plaintext, hash_key(plaintext)
 
 
-def unauthorized(message: str) -> ApiError:
-    return ApiError(401, "invalid_api_key", message, headers={"WWW-Authenticate": "Bearer"})
+def unauthorized(message: str, code: str = "invalid_api_key") -> ApiError:
+    return ApiError(401, code, message, headers={"WWW-Authenticate": "Bearer"})
+
+
+def expired(expires: float) -> ApiError:
+    when = datetime.fromtimestamp(expires, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return unauthorized(f"This API key expired at {when}; ask your admin for a new one.", "api_key_expired")
+
+
+def _expiry(expires_at: datetime | None) -> float:
+    """A key's expiry as a Unix time (inf: never)."""
+    moment = as_utc(expires_at)
+    return moment.timestamp() if moment is not None else float("inf")
 
 
 class Authenticator:
     """Resolves a bearer key to a Principal; caches lookups for a few seconds (revocation in this
     process takes effect at once; the server's other processes and replicas forget the cache when they
-    learn of it: api.streams.Streams.watch, api.usage)."""
+    learn of it: api.streams.Streams.watch, api.usage). A key past its expiry is refused at once, cached
+    or not. When each key was last used is kept in memory and written by `flush_uses`."""
 
     def __init__(self, engine: Engine, settings: Settings, buckets: Buckets | None = None) -> None:
         self.engine = engine
         self.settings = settings
-        self._cache: dict[str, tuple[float, Principal | None]] = {}
+        # key hash: when looked up (monotonic), the Principal (None: unknown or revoked), expiry (Unix time)
+        self._cache: dict[str, tuple[float, Principal | None, float]] = {}
         self._lock = threading.Lock()
+        self._used: dict[str, float] = {}  # key id: when last used (Unix time), not yet written
+        self.use_flush_seconds = USE_FLUSH_SECONDS
         self.buckets = buckets or LocalBuckets()
 
     def authenticate(self, key: str | None) -> Principal:
@@ -83,11 +101,10 @@ class Authenticator:
         with Session(self.engine) as session:
             row = session.exec(select(ApiKey).where(ApiKey.key_hash == digest)).first()
         principal = Principal(tenant=row.tenant, key_id=row.id) if row and row.revoked_at is None else None
-        with self._lock:
-            self._cache[digest] = (now, principal)
-        if principal is None:
-            raise unauthorized(UNKNOWN_KEY)
-        return principal
+        expires = _expiry(row.expires_at) if row is not None else float("inf")
+        admitted = self._admit(digest, (now, principal, expires))
+        assert admitted is not None  # (looked up: a Principal or an ApiError)
+        return admitted
 
     def authenticate_cached(self, key: str | None) -> Principal | None:
         """`authenticate` without the database: the Principal, an ApiError, or None when only a lookup
@@ -99,22 +116,63 @@ class Authenticator:
         admin = self.settings.admin_key
         if admin is not None and hmac.compare_digest(key.encode(), admin.get_secret_value().encode()):
             return ADMIN
+        return self._admit(hash_key(key))
+
+    def _admit(
+        self, key_hash: str, looked_up: tuple[float, Principal | None, float] | None = None
+    ) -> Principal | None:
+        """The key's Principal, from `looked_up` (then cached) or the cache (None if it is not there, or
+        too old); noting its use. An ApiError for a key unknown, revoked or expired."""
+        wall = time.time()
         with self._lock:
-            cached = self._cache.get(hash_key(key))
-        if cached is None or time.monotonic() - cached[0] >= _CACHE_SECONDS:
-            return None
-        if cached[1] is None:
-            raise unauthorized(UNKNOWN_KEY)
-        return cached[1]
+            if looked_up is not None:
+                self._cache[key_hash] = looked_up
+                entry = looked_up
+            else:
+                cached = self._cache.get(key_hash)
+                if cached is None or time.monotonic() - cached[0] >= _CACHE_SECONDS:
+                    return None
+                entry = cached
+            _, principal, expires = entry
+            if principal is not None and wall < expires:
+                self._used[principal.key_id] = wall
+                return principal
+        raise unauthorized(UNKNOWN_KEY) if principal is None else expired(expires)
 
     def valid_key_ids(self, key_ids: set[str]) -> set[str]:
-        """Which of these API keys are not revoked (from the database, not the cache)."""
+        """Which of these API keys are neither revoked nor expired (from the database, not the cache)."""
         with Session(self.engine) as session:
-            return set(
-                session.exec(
-                    select(ApiKey.id).where(col(ApiKey.id).in_(key_ids), col(ApiKey.revoked_at).is_(None))
+            rows = session.exec(
+                select(ApiKey.id, ApiKey.expires_at).where(
+                    col(ApiKey.id).in_(key_ids), col(ApiKey.revoked_at).is_(None)
                 )
-            )
+            ).all()
+        now = time.time()
+        return {key_id for key_id, expires_at in rows if _expiry(expires_at) > now}
+
+    def flush_uses(self) -> int:
+        """Write when this process's keys were last used, if later than what is stored (another process
+        may have written a later one); how many keys. A write that fails is tried again by the next."""
+        with self._lock:
+            used, self._used = self._used, {}
+        if not used:
+            return 0
+        rows = [{"key": key_id, "when": datetime.fromtimestamp(when, UTC)} for key_id, when in used.items()]
+        last = col(ApiKey.last_used_at)
+        statement = (
+            update(ApiKey)
+            .where(col(ApiKey.id) == bindparam("key"), or_(last.is_(None), last < bindparam("when")))
+            .values(last_used_at=bindparam("when"))
+        )
+        try:
+            with self.engine.begin() as connection:
+                connection.execute(statement, rows)
+        except Exception:
+            with self._lock:
+                for key_id, when in used.items():  # (uses since the swap are later)
+                    self._used.setdefault(key_id, when)
+            raise
+        return len(rows)
 
     def forget(self) -> None:
         with self._lock:

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -261,16 +262,40 @@ def checkpoints(args: argparse.Namespace) -> int:
     return 0
 
 
+def _time(stamp: str) -> datetime:
+    """An API time (ISO 8601) in UTC."""
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).astimezone(UTC)
+
+
+def _when(stamp: str) -> str:
+    """An API time to the minute, as `2026-12-05 06:32`."""
+    return _time(stamp).strftime("%Y-%m-%d %H:%M")
+
+
 def keys(args: argparse.Namespace) -> int:
     with _client(args) as client:
         if args.action == "create":
-            key = client.create_key(args.tenant, args.name)
-            print(f"created {key['id']} for tenant {key['tenant']}; the key is shown only now:")
+            key = client.create_key(args.tenant, args.name, args.expires_in_days)
+            expiry = f", expires {_when(key['expires_at'])}" if key["expires_at"] else ""
+            print(f"created {key['id']} for tenant {key['tenant']}{expiry}; the key is shown only now:")
             print(key["key"])
         elif args.action == "list":
+            print(f"{'ID':<16} {'PREFIX':<16} {'TENANT':<16} {'STATE':<28} {'LAST USED':<18} NAME")
+            now = datetime.now(UTC)
             for key in client.list_keys()["data"]:
-                state = f"revoked {key['revoked_at'][:19]}" if key["revoked_at"] else "active"
-                print(f"{key['id']:<16} {key['prefix']:<16} {key['tenant']:<16} {state:<28} {key['name']}")
+                if key["revoked_at"]:
+                    state = f"revoked {_when(key['revoked_at'])}"
+                elif key["expires_at"] and _time(key["expires_at"]) <= now:
+                    state = f"expired {_when(key['expires_at'])}"
+                elif key["expires_at"]:
+                    state = f"expires {_when(key['expires_at'])}"
+                else:
+                    state = "active"
+                used = _when(key["last_used_at"]) if key["last_used_at"] else "never"
+                print(
+                    f"{key['id']:<16} {key['prefix']:<16} {key['tenant']:<16} {state:<28} {used:<18} "
+                    f"{key['name']}"
+                )
         else:
             key = client.revoke_key(args.key_id)
             print(f"{key['id']} revoked")
@@ -362,6 +387,9 @@ def parser() -> argparse.ArgumentParser:
     a = actions.add_parser("create", help="create a key for a tenant (printed once)")
     a.add_argument("--tenant", required=True)
     a.add_argument("--name", required=True)
+    a.add_argument(
+        "--expires-in-days", type=int, help="the key stops working after this many days (default: never)"
+    )
     actions.add_parser("list", help="list keys")
     a = actions.add_parser("revoke", help="revoke a key")
     a.add_argument("key_id")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -27,6 +28,8 @@ from api.settings import Settings
 from api.streams import EVENTS, LOGS, EventWatch, SharedKeyStreams, Streams
 from api.usage import USAGE_STATS_FILE, UsageStats
 from api.writer import make_writer
+
+log = logging.getLogger(__name__)
 
 DESCRIPTION = """Fine-tune Gemma 3 with JAX: on a GKE TPU slice as a JobSet, or as local worker processes.
 
@@ -105,6 +108,16 @@ class RequestLimits:
         await send({"type": "http.response.body", "body": body})
 
 
+async def record_key_uses(auth: Authenticator) -> None:
+    """Until cancelled: write when this process's API keys were last used, every `use_flush_seconds`."""
+    while True:
+        await asyncio.sleep(auth.use_flush_seconds)
+        try:
+            await anyio.to_thread.run_sync(auth.flush_uses)
+        except Exception as error:  # (the next one writes them)
+            log.warning("could not record when API keys were last used: %s", error)
+
+
 def create_app(settings: Settings | None = None, *, engine: Any = None, worker: bool = False) -> FastAPI:
     """The app. `worker`: one of `tputune serve --workers N`'s processes (api.server): its parent runs the
     dispatcher, metrics are summed over the workers (PROMETHEUS_MULTIPROC_DIR), the rate limits and
@@ -152,13 +165,20 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
         async def valid_keys(key_ids: set[str]) -> set[str]:
             return await anyio.to_thread.run_sync(auth.valid_key_ids, key_ids)
 
-        # (without keys there is nothing to revoke)
-        watch = asyncio.create_task(streams.watch(valid_keys, auth.forget)) if settings.auth_enabled else None
+        # (without keys there is nothing to revoke, and no key's use to record)
+        watch = uses = None
+        if settings.auth_enabled:
+            watch = asyncio.create_task(streams.watch(valid_keys, auth.forget))
+            uses = asyncio.create_task(record_key_uses(auth))
         try:
             yield
         finally:
             if watch is not None:
                 watch.cancel()
+            if uses is not None:
+                uses.cancel()
+                with contextlib.suppress(Exception):  # (the database may be away: logged before)
+                    await anyio.to_thread.run_sync(auth.flush_uses)
             await job_writer.aclose()
             if dispatcher is not None:
                 dispatcher.stop()

@@ -136,7 +136,8 @@ class KeyUsage(SQLModel, table=True):
 
 
 class ApiKey(SQLModel, table=True):
-    """An API key of a tenant: only its hash is stored; `prefix` is the visible part, for humans."""
+    """An API key of a tenant: only its hash is stored; `prefix` is the visible part, for humans.
+    `last_used_at` is written by each API process about once a minute (api.auth.Authenticator.flush_uses)."""
 
     __tablename__ = "api_keys"
 
@@ -147,6 +148,8 @@ class ApiKey(SQLModel, table=True):
     key_hash: str = Field(max_length=64, unique=True)
     created_at: datetime = Field(default_factory=utcnow, sa_type=DateTime(timezone=True), nullable=False)
     revoked_at: datetime | None = _ts()
+    expires_at: datetime | None = _ts()
+    last_used_at: datetime | None = _ts()
 
 
 # A job's spec never changes after it is created: validate it once per process, not on every read. A few

@@ -82,6 +82,13 @@ class Settings(BaseSettings):
     allow_unauthenticated: bool = Field(
         default=False, description="Serve without keys on a non-loopback address (not recommended)."
     )
+    key_max_days: int | None = Field(
+        default=None,
+        ge=1,
+        le=36_500,
+        description="Every API key expires within this many days of its creation: a key created without "
+        "`expires_in_days` gets this; unset: keys may live until revoked.",
+    )
     rate_limit_per_second: float = Field(default=50.0, ge=0, description="Per API key; 0 turns it off.")
     rate_limit_burst: int = Field(default=200, ge=1)
     database_pool_size: int = Field(

@@ -8,6 +8,7 @@ processes (the dispatcher is off; the job writer's thread is counted).
 
     .venv/bin/python bench/api_cpu.py                      # SQLite in a temp dir
     .venv/bin/python bench/api_cpu.py --source /tmp/old    # another checkout's api/, e.g. to compare
+    .venv/bin/python bench/api_cpu.py --auth               # as a tenant's API key (keys on, rate limited)
 
 It prints a line per route and round, and as its last line one JSON object.
 """
@@ -34,6 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight at once (64)")
     p.add_argument("--rounds", type=int, default=3, help="rounds per route (3); the figure is the median")
     p.add_argument("--source", type=Path, default=ROOT, help="the checkout whose api/ to load")
+    p.add_argument(
+        "--auth",
+        action="store_true",
+        help="serve with keys (TPUTUNE_ADMIN_KEY) and call with a tenant's API key, its rate limit on but "
+        "never reached: a production server's path (without it, the keyless single-user one)",
+    )
     args = p.parse_args(argv)
     if args.requests < args.concurrency or args.concurrency < 1 or args.rounds < 1:
         p.error("--requests must be at least --concurrency, both and --rounds at least 1")
@@ -46,9 +53,10 @@ class Asgi:
 
     def __init__(self, app: Any) -> None:
         self.app = app
+        self.headers: list[tuple[bytes, bytes]] = []
 
     async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
-        headers = [(b"host", b"bench")]
+        headers = [(b"host", b"bench"), *self.headers]
         if body:
             headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         sent = False
@@ -139,6 +147,11 @@ async def run(args: argparse.Namespace, data_dir: Path) -> dict[str, Any]:
         data_dir=data_dir / "state",
         dispatcher_enabled=False,
         access_log=False,
+        **(
+            {"admin_key": ADMIN_KEY, "rate_limit_per_second": 1e9, "rate_limit_burst": 10**9}
+            if args.auth
+            else {}
+        ),
     )
     settings.ensure_dirs()
     upgrade(settings.resolved_database_url)
@@ -152,6 +165,12 @@ async def run(args: argparse.Namespace, data_dir: Path) -> dict[str, Any]:
     # A page of 50 jobs is ~50 times a GET's work: a tenth of the requests.
     list_args = argparse.Namespace(**{**vars(args), "requests": max(args.concurrency, args.requests // 10)})
     async with app.router.lifespan_context(app):
+        if args.auth:
+            client.headers = [(b"authorization", f"Bearer {ADMIN_KEY}".encode())]
+            status, created = await client.request("POST", "/admin/keys", b'{"tenant": "t", "name": "bench"}')
+            if status != 201:
+                raise RuntimeError(f"POST /admin/keys answered {status}: {created[:300]!r}")
+            client.headers = [(b"authorization", f"Bearer {json.loads(created)['key']}".encode())]
         ids = []
         for _ in range(LIST_JOBS):  # a full page for GET /jobs, and more
             status, created = await client.request("POST", "/jobs", body)
@@ -171,6 +190,7 @@ async def run(args: argparse.Namespace, data_dir: Path) -> dict[str, Any]:
 
 
 LIST_JOBS = 61
+ADMIN_KEY = "bench-admin-key-0123456789"
 
 
 def job_body(dataset: Path, name: str = "bench") -> dict[str, Any]:
@@ -196,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         del os.environ[name]
     print(
         f"tputune API CPU per request, in-process: {args.requests} requests per round, {args.concurrency} at "
-        f"a time, {args.rounds} rounds; api/ from {args.source}",
+        f"a time, {args.rounds} rounds; api/ from {args.source}" + ("; with an API key" if args.auth else ""),
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="tputune-api-cpu-") as tmp:
@@ -205,7 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     print("median CPU ms per request: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()))
     print(
         json.dumps(
-            {"benchmark": "api_cpu", "source": str(args.source), "median_cpu_ms": summary, "routes": results}
+            {
+                "benchmark": "api_cpu",
+                "source": str(args.source),
+                "auth": args.auth,
+                "median_cpu_ms": summary,
+                "routes": results,
+            }
         )
     )
     return 0

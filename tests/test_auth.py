@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import text
+from sqlalchemy import create_engine, text, update
+from sqlalchemy.exc import OperationalError
+from sqlmodel import Session, col
 
-from api.auth import COOKIE_NAME, SharedBuckets
+from api.auth import COOKIE_NAME, Authenticator, SharedBuckets
 from api.main import create_app
+from api.models import ApiKey, as_utc
 from api.settings import Settings
 
 ADMIN = "admin-secret-0123456789"
@@ -224,3 +230,136 @@ def test_shared_buckets_forget_the_least_recently_seen_key_when_full(tmp_path: P
     assert buckets.take("b", rate=0.001, burst=1) is None  # forgotten: a full bucket again (in c's slot)
     assert buckets.take("a", rate=0.001, burst=1) is not None  # seen lately: kept
     assert buckets.take("c", rate=0.001, burst=1) is None  # forgotten for b
+
+
+def set_key_times(client: TestClient, key_id: str, **times: datetime | None) -> None:
+    """Move a key's stored times (as if its creation had asked for them, or time had passed)."""
+    engine = client.app.state.engine  # type: ignore[attr-defined]
+    with engine.begin() as connection:
+        connection.execute(update(ApiKey).where(col(ApiKey.id) == key_id).values(**times))
+    client.app.state.auth.forget()  # type: ignore[attr-defined]
+
+
+def stored_key(client: TestClient, key_id: str) -> ApiKey:
+    with Session(client.app.state.engine) as session:  # type: ignore[attr-defined]
+        row = session.get(ApiKey, key_id)
+        assert row is not None
+        return row
+
+
+def test_keys_expire(auth_client: TestClient) -> None:
+    before = datetime.now(UTC)
+    created = auth_client.post(
+        "/admin/keys", json={"tenant": "alpha", "name": "ci", "expires_in_days": 30}, headers=bearer(ADMIN)
+    ).json()
+    expires = datetime.fromisoformat(created["expires_at"])
+    assert before + timedelta(days=30) <= expires <= datetime.now(UTC) + timedelta(days=30)
+    key, key_id = created["key"], created["id"]
+    listed = auth_client.get("/admin/keys", headers=bearer(ADMIN)).json()["data"]
+    assert listed[0]["expires_at"] == created["expires_at"]
+    forever = make_key(auth_client, "alpha")
+    assert auth_client.get("/admin/keys", headers=bearer(ADMIN)).json()["data"][1]["expires_at"] is None
+    for days in (0, -1, 36_501, "soon"):
+        bad = auth_client.post(
+            "/admin/keys", json={"tenant": "a", "name": "n", "expires_in_days": days}, headers=bearer(ADMIN)
+        )
+        assert bad.status_code == 422 and bad.json()["error"]["param"] == "expires_in_days", bad.text
+
+    # A key that expires while its lookup is cached (5 s) is refused at once, with a message that says so.
+    set_key_times(auth_client, key_id, expires_at=datetime.now(UTC) + timedelta(seconds=1))
+    assert auth_client.get("/jobs", headers=bearer(key)).status_code == 200
+    time.sleep(1.1)
+    refused = auth_client.get("/jobs", headers=bearer(key))
+    assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+    assert refused.json()["error"]["code"] == "api_key_expired"
+    assert "expired at" in refused.json()["error"]["message"]
+    assert "new one" in refused.json()["error"]["message"]
+    auth_client.app.state.auth.forget()  # type: ignore[attr-defined]
+    # ...and when looked up again; the dashboard's session too.
+    assert auth_client.get("/jobs", headers=bearer(key)).json()["error"]["code"] == "api_key_expired"
+    assert auth_client.post("/auth/session", json={"key": key}).status_code == 401
+    assert auth_client.get("/jobs", headers=bearer(forever)).status_code == 200
+    # Followed streams are rechecked with valid_key_ids: an expired key's end (api.streams.Streams.watch).
+    forever_id = key_id_of(auth_client, forever)
+    auth = auth_client.app.state.auth  # type: ignore[attr-defined]
+    assert auth.valid_key_ids({key_id, forever_id}) == {forever_id}
+    # A revoked key is unknown, expired or not.
+    auth_client.delete(f"/admin/keys/{key_id}", headers=bearer(ADMIN))
+    assert auth_client.get("/jobs", headers=bearer(key)).json()["error"]["code"] == "invalid_api_key"
+
+
+def test_server_caps_a_keys_lifetime(make_settings: Callable[..., Settings]) -> None:
+    app = create_app(
+        make_settings(dispatcher_enabled=False, admin_key=ADMIN, rate_limit_per_second=0, key_max_days=7)
+    )
+    with TestClient(app) as client:
+
+        def create(**extra: int) -> httpx.Response:
+            body = {"tenant": "a", "name": "n", **extra}
+            return client.post("/admin/keys", json=body, headers=bearer(ADMIN))
+
+        before = datetime.now(UTC)
+        default = datetime.fromisoformat(create().json()["expires_at"])
+        assert before + timedelta(days=7) <= default <= datetime.now(UTC) + timedelta(days=7)
+        shorter = datetime.fromisoformat(create(expires_in_days=3).json()["expires_at"])
+        assert before + timedelta(days=3) <= shorter <= datetime.now(UTC) + timedelta(days=3)
+        longer = create(expires_in_days=8)
+        assert longer.status_code == 422, longer.text
+        error = longer.json()["error"]
+        assert error["code"] == "key_lifetime_too_long" and error["param"] == "expires_in_days"
+        assert "at most 7" in error["message"]
+        assert len(client.get("/admin/keys", headers=bearer(ADMIN)).json()["data"]) == 2
+
+
+def test_keys_record_when_they_were_last_used(make_settings: Callable[..., Settings]) -> None:
+    app = create_app(make_settings(dispatcher_enabled=False, admin_key=ADMIN, rate_limit_per_second=0))
+    auth = app.state.auth
+    auth.use_flush_seconds = 0.2
+    with TestClient(app) as client:
+        key, idle = make_key(client, "alpha"), make_key(client, "alpha")
+        key_id, idle_id = key_id_of(client, key), key_id_of(client, idle)
+        time.sleep(0.5)
+        assert stored_key(client, key_id).last_used_at is None  # (the admin's calls are no key's)
+        before = datetime.now(UTC)
+        assert client.get("/jobs", headers=bearer(key)).status_code == 200
+        assert client.get("/jobs", headers=bearer(key)).status_code == 200  # (cached)
+        deadline = time.monotonic() + 5
+        while stored_key(client, key_id).last_used_at is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # written by the process's own task, every use_flush_seconds
+        used = as_utc(stored_key(client, key_id).last_used_at)
+        assert used is not None and before <= used <= datetime.now(UTC)
+        assert stored_key(client, idle_id).last_used_at is None
+        # Refused calls are no use: a revoked key's last use stays.
+        client.delete(f"/admin/keys/{key_id}", headers=bearer(ADMIN))
+        assert client.get("/jobs", headers=bearer(key)).status_code == 401
+        time.sleep(0.5)
+        assert as_utc(stored_key(client, key_id).last_used_at) == used
+
+        # Another process that saw the key earlier never moves its last use back.
+        other = Authenticator(app.state.engine, app.state.settings)
+        other.authenticate(idle)
+        auth.use_flush_seconds = 3600  # (the next tick of the task still waits 0.2 s)
+        time.sleep(0.3)
+        client.get("/jobs", headers=bearer(idle))
+        auth.flush_uses()
+        later = as_utc(stored_key(client, idle_id).last_used_at)
+        assert other.flush_uses() == 1
+        assert as_utc(stored_key(client, idle_id).last_used_at) == later
+        # A write that fails (the database away) is made by the next one.
+        client.get("/jobs", headers=bearer(idle))
+        engine, auth.engine = auth.engine, create_engine("sqlite:////nonexistent/dir/tputune.db")
+        with pytest.raises(OperationalError):
+            auth.flush_uses()
+        auth.engine = engine
+        assert auth.flush_uses() == 1
+        assert as_utc(stored_key(client, idle_id).last_used_at) > later  # type: ignore[operator]
+        # The list shows them, with this process's latest uses written first.
+        client.get("/jobs", headers=bearer(idle))
+        listed = {row["id"]: row for row in client.get("/admin/keys", headers=bearer(ADMIN)).json()["data"]}
+        assert datetime.fromisoformat(listed[idle_id]["last_used_at"]) > later
+        assert datetime.fromisoformat(listed[key_id]["last_used_at"]) == used
+        # Uses not yet written when the server stops are written then.
+        auth.use_flush_seconds = 3600
+        last_seen = datetime.fromisoformat(listed[idle_id]["last_used_at"])
+        client.get("/jobs", headers=bearer(idle))
+    assert as_utc(stored_key(client, idle_id).last_used_at) > last_seen  # type: ignore[operator]

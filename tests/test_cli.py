@@ -149,6 +149,18 @@ def test_keys_commands(live_api, capsys) -> None:  # type: ignore[no-untyped-def
     assert code == 0
     code, out, _ = run(api, capsys, "--api-key", "the-admin-key-123", "keys", "list")
     assert key_id in out and "active" in out and key not in out
+    assert "LAST USED" in out.splitlines()[0]
+    used = next(line for line in out.splitlines() if key_id in line)
+    assert time.strftime("%Y-%m-%d", time.gmtime()) in used and "never" not in used  # (its `list` above)
+    code, out, _ = run(
+        api, capsys, "--api-key", "the-admin-key-123", "keys", "create", "--tenant", "t1", "--name", "month",
+        "--expires-in-days", "30",
+    )  # fmt: skip
+    expiry = time.strftime("%Y-%m-%d", time.gmtime(time.time() + 30 * 86400))
+    assert code == 0 and f"expires {expiry}" in out.splitlines()[0]
+    code, out, _ = run(api, capsys, "--api-key", "the-admin-key-123", "keys", "list")
+    line = next(line for line in out.splitlines() if "month" in line)
+    assert f"expires {expiry}" in line and "never" in line
     run(api, capsys, "--api-key", "the-admin-key-123", "keys", "revoke", key_id)
     code, _, err = run(api, capsys, "--api-key", key, "list")
     assert code == 3 and "(invalid_api_key)" in err

@@ -471,6 +471,6 @@ def test_a_revoked_keys_stream_stops_and_asks_to_sign_in(
     with api.client() as http:
         assert http.delete(f"/admin/keys/{created['id']}").status_code == 200
     expect(page.locator("#live")).to_have_text(
-        "Live updates stopped: The API key of this stream was revoked; sign in with a new one."
+        "Live updates stopped: The API key of this stream was revoked or has expired; sign in with a new one."
     )
     expect(page.locator("#signin")).to_be_visible()

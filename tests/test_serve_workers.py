@@ -22,12 +22,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
+from sqlalchemy import create_engine
+from sqlmodel import Session
 
+from api.models import ApiKey, as_utc
 from api.server import REUSE_PORT
 from tests.conftest import kill_runs
 from tests.support.serve import Server, alive, api_workers, dispatchers, wait_for
@@ -248,6 +252,23 @@ def test_a_key_revoked_through_one_worker_is_refused_and_its_streams_end_in_all(
         time.sleep(1.0)  # (the other worker's watch looks twice a second)
         for _ in range(16):  # (new connections: both workers)
             assert httpx.get(f"{server.url}/jobs", headers=auth).status_code == 401
+
+
+def test_every_worker_records_its_keys_last_use_when_the_server_stops(tmp_path: Path, dataset: Path) -> None:
+    """Each worker writes its keys' last uses every 60 s (api.auth.USE_FLUSH_SECONDS) and when it stops:
+    a server stopped before the first minute has still recorded them."""
+    with Server(tmp_path, dataset, workers=2, TPUTUNE_ADMIN_KEY=ADMIN) as server:
+        key_id, auth = make_key(server)
+        other_id, _ = make_key(server)
+        before = datetime.now(UTC)
+        until_every_worker_served(server, "/jobs", lambda: httpx.get(f"{server.url}/jobs", headers=auth))
+        after = datetime.now(UTC)
+    engine = create_engine(f"sqlite:///{server.data_dir / 'tputune.db'}")
+    with Session(engine) as session:
+        used, unused = session.get(ApiKey, key_id), session.get(ApiKey, other_id)
+    engine.dispose()
+    assert used is not None and unused is not None and unused.last_used_at is None
+    assert before <= as_utc(used.last_used_at) <= after  # type: ignore[operator]
 
 
 def test_workers_and_dispatcher_die_with_a_killed_supervisor(two_workers: Server) -> None:

@@ -284,7 +284,7 @@ def list_events(
 SSE_KEEPALIVE_SECONDS = 15.0
 KEY_REVOKED = {
     "code": "key_revoked",
-    "message": "The API key of this stream was revoked; sign in with a new one.",
+    "message": "The API key of this stream was revoked or has expired; sign in with a new one.",
 }
 
 

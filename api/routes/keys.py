@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+import contextlib
+from datetime import datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Request, Response
@@ -10,7 +11,7 @@ from pydantic import BaseModel, Field
 from sqlmodel import col, select
 
 from api.auth import COOKIE_NAME, new_api_key
-from api.deps import AdminDep, SessionDep, json_response
+from api.deps import AdminDep, SessionDep, SettingsDep, json_response
 from api.errors import ApiError
 from api.models import ApiKey, as_utc, utcnow
 from api.schemas import ErrorResponse, error_responses
@@ -22,8 +23,19 @@ router = APIRouter(tags=["keys"], responses=error_responses(413, 422, 503))
 class KeyCreate(BaseModel):
     tenant: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9-_.]*$")]
     name: Annotated[Text, Field(min_length=1, max_length=128)]
+    expires_in_days: int | None = Field(
+        default=None,
+        ge=1,
+        le=36_500,
+        description="The key stops working this many days from now. Default: never, or the server's "
+        "`TPUTUNE_KEY_MAX_DAYS` where it sets one (then at most that).",
+    )
 
-    model_config = {"json_schema_extra": {"examples": [{"tenant": "research", "name": "ci pipeline"}]}}
+    model_config = {
+        "json_schema_extra": {
+            "examples": [{"tenant": "research", "name": "ci pipeline", "expires_in_days": 90}]
+        }
+    }
 
 
 class KeyPublic(BaseModel):
@@ -33,6 +45,10 @@ class KeyPublic(BaseModel):
     prefix: str = Field(description="The key's visible start, to recognise it.")
     created_at: datetime
     revoked_at: datetime | None
+    expires_at: datetime | None = Field(description="When the key stops working; null: never.")
+    last_used_at: datetime | None = Field(
+        description="When the key was last used, to about a minute; null: never used."
+    )
 
     @classmethod
     def of(cls, row: ApiKey) -> KeyPublic:
@@ -43,6 +59,8 @@ class KeyPublic(BaseModel):
             prefix=row.prefix,
             created_at=as_utc(row.created_at),  # type: ignore[arg-type]
             revoked_at=as_utc(row.revoked_at),
+            expires_at=as_utc(row.expires_at),
+            last_used_at=as_utc(row.last_used_at),
         )
 
 
@@ -64,16 +82,37 @@ _admin_errors: dict[int | str, dict] = {
 @router.post(
     "/admin/keys", status_code=201, response_model=KeyCreated, responses=_admin_errors, summary="Create a key"
 )
-def create_key(body: KeyCreate, session: SessionDep, _admin: AdminDep) -> Response:
+def create_key(body: KeyCreate, session: SessionDep, settings: SettingsDep, _admin: AdminDep) -> Response:
+    days, most = body.expires_in_days, settings.key_max_days
+    if most is not None and days is not None and days > most:
+        raise ApiError(
+            422,
+            "key_lifetime_too_long",
+            f"Keys on this server expire within {most} days (TPUTUNE_KEY_MAX_DAYS); "
+            f"ask for expires_in_days of at most {most}.",
+            param="expires_in_days",
+        )
+    days = days or most
     key_id, prefix, plaintext, digest = new_api_key()
-    row = ApiKey(id=key_id, tenant=body.tenant, name=body.name, prefix=prefix, key_hash=digest)
+    now = utcnow()
+    row = ApiKey(
+        id=key_id,
+        tenant=body.tenant,
+        name=body.name,
+        prefix=prefix,
+        key_hash=digest,
+        created_at=now,
+        expires_at=now + timedelta(days=days) if days is not None else None,
+    )
     session.add(row)
     session.commit()
     return json_response(KeyCreated(**KeyPublic.of(row).model_dump(), key=plaintext), 201)
 
 
 @router.get("/admin/keys", response_model=KeyList, responses=_admin_errors, summary="List keys")
-def list_keys(session: SessionDep, _admin: AdminDep) -> Response:
+def list_keys(request: Request, session: SessionDep, _admin: AdminDep) -> Response:
+    with contextlib.suppress(Exception):  # (this process's latest uses; the next flush retries a failure)
+        request.app.state.auth.flush_uses()
     rows = session.exec(select(ApiKey).order_by(col(ApiKey.created_at))).all()
     return json_response(KeyList(data=[KeyPublic.of(row) for row in rows]))
 
