@@ -38,9 +38,15 @@ BUCKETS_FILE = "ratelimit.buckets"
 
 @dataclass(frozen=True)
 class Principal:
-    tenant: str
+    tenant: str  # the tenant its jobs are created in
     key_id: str  # "admin", "anonymous" or the API key's id
     is_admin: bool = False
+
+    @property
+    def scope(self) -> str | None:
+        """The tenant whose jobs it may see and act on; None: every tenant's (the admin key, and the
+        keyless single-user server)."""
+        return None if self.is_admin else self.tenant
 
 
 ANONYMOUS = Principal(tenant=DEFAULT_TENANT, key_id="anonymous", is_admin=True)

@@ -147,18 +147,22 @@ def submit(args: argparse.Namespace) -> int:
 
 def list_jobs(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        page = client.list_jobs(status=args.status, limit=args.limit)
+        page = client.list_jobs(status=args.status, limit=args.limit, after=args.after, tenant=args.tenant)
     if args.json:
         print(json.dumps(page, indent=2))
         return 0
-    print(f"{'ID':<16} {'STATUS':<10} {'MODEL':<16} {'METHOD':<6} {'PROGRESS':>8} {'LOSS':>8}  NAME")
+    # A tenant column when the page holds more than one tenant's jobs (the admin key sees them all).
+    tenants = len({job["tenant"] for job in page["data"]}) > 1
+    head = f"{'TENANT':<16} " if tenants else ""
+    print(f"{'ID':<16} {head}{'STATUS':<10} {'MODEL':<16} {'METHOD':<6} {'PROGRESS':>8} {'LOSS':>8}  NAME")
     for job in page["data"]:
         fraction = job["progress"]["fraction"]
         done = f"{fraction * 100:.0f}%" if fraction is not None else "-"
         loss = _num(job["metrics"]["loss"])
+        tenant = f"{job['tenant']:<16} " if tenants else ""
         print(
-            f"{job['id']:<16} {job['status']:<10} {job['model']:<16} {job['method']:<6} {done:>8} {loss:>8}  "
-            f"{job['name']}"
+            f"{job['id']:<16} {tenant}{job['status']:<10} {job['model']:<16} {job['method']:<6} {done:>8} "
+            f"{loss:>8}  {job['name']}"
         )
     if page["has_more"]:
         print(f"(more: --after {page['next_after']})")
@@ -346,6 +350,8 @@ def parser() -> argparse.ArgumentParser:
     p = commands.add_parser("list", help="list jobs, newest first")
     p.add_argument("--status", action="append")
     p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--after", help="a job id: list the jobs older than it (the next page)")
+    p.add_argument("--tenant", help="only this tenant's jobs (the admin key lists every tenant's)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=list_jobs)
 

@@ -79,12 +79,16 @@ class Client:
         limit: int = 20,
         after: str | None = None,
         metadata: dict[str, str] | None = None,
+        tenant: str | None = None,
     ) -> dict[str, Any]:
+        """A page of jobs; `tenant`: only that tenant's (the admin key sees every tenant's by default)."""
         params: list[tuple[str, str | int]] = [("limit", limit)]
         params += [("status", s) for s in status or []]
         params += [(f"metadata[{k}]", v) for k, v in (metadata or {}).items()]
         if after:
             params.append(("after", after))
+        if tenant:
+            params.append(("tenant", tenant))
         return self._request("GET", "/jobs", params=params)
 
     def cancel_job(self, job_id: str) -> dict[str, Any]:

@@ -133,7 +133,7 @@ def _admin(principal: Principal) -> Principal:
 
 
 get_principal = _Caller(lambda principal: principal)
-get_tenant = _Caller(lambda principal: principal.tenant)
+get_tenant = _Caller(lambda principal: principal.scope)
 get_admin = _Caller(_admin)
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
@@ -154,7 +154,7 @@ async def get_dispatcher(request: Request) -> Wakes | None:
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
-TenantDep = Annotated[str, Depends(get_tenant)]
+TenantDep = Annotated[str | None, Depends(get_tenant)]  # None: every tenant's jobs (the admin key)
 AdminDep = Annotated[Principal, Depends(get_admin)]
 ExecutorDep = Annotated[Executor, Depends(get_executor)]
 DispatcherDep = Annotated[Wakes | None, Depends(get_dispatcher)]

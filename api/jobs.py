@@ -74,7 +74,7 @@ def default_output_uri(settings: Settings, job_id: str) -> str:
 
 # The columns a job's public view needs (not its token hash or launch record).
 JOB_COLUMNS = (
-    *("id", "name", "status", "status_message", "model", "method", "executor", "spec"),
+    *("id", "tenant", "name", "status", "status_message", "model", "method", "executor", "spec"),
     *("created_at", "started_at", "finished_at", "step", "total_steps", "epoch", "eta_seconds", "loss"),
     *("eval_loss", "learning_rate", "tokens_per_second", "trained_tokens", "restarts", "error_code"),
     *("error_message", "output_uri", "checkpoint_uri"),
@@ -108,7 +108,8 @@ class NewJob:
         model_dump_json were a fifth of POST /jobs's CPU time on the event loop. (Tests compare the two.)"""
         row, text = self.row, _json_string
         return (
-            f'{{"id":{text(row["id"])},"object":"fine_tuning.job","name":{text(row["name"])},'
+            f'{{"id":{text(row["id"])},"object":"fine_tuning.job","tenant":{text(row["tenant"])},'
+            f'"name":{text(row["name"])},'
             f'"status":{text(row["status"])},"status_message":{text(row["status_message"])},'
             f'"model":{text(row["model"])},"method":{text(row["method"])},'
             f'"executor":{text(row["executor"])},"created_at":"{_utc_iso(row["created_at"])}",'
@@ -395,8 +396,10 @@ def create_job(
     return session.exec(select(Job).where(Job.id == outcome.job.id)).one(), outcome.created
 
 
-def get_job(session: Session, tenant: str, job_id: str) -> Job:
-    job = session.exec(select(Job).where(Job.id == job_id, Job.tenant == tenant)).first()
+def get_job(session: Session, tenant: str | None, job_id: str) -> Job:
+    """The job, if it is one of `tenant`'s (None: of any tenant, for the admin key); else a 404."""
+    query = select(Job).where(Job.id == job_id)
+    job = session.exec(query if tenant is None else query.where(Job.tenant == tenant)).first()
     if job is None:
         raise not_found(job_id)
     return job
@@ -431,15 +434,16 @@ class JobListing:
         unfiltered page reads at most `limit` + 1 rows of an index, and the cursor's row by its id."""
         return bool(self.status or self.metadata)
 
-    def statement(self, tenant: str, columns: str, mark: str) -> tuple[str, list[Any]]:
+    def statement(self, tenant: str | None, columns: str, mark: str) -> tuple[str, list[Any]]:
         """The page's SELECT of `columns` (SQL) and its parameters, `mark` the driver's placeholder ("?" or
-        "%s"): `limit` + 1 rows, the extra one saying whether there are more. A cursor that is not a job
-        of the tenant's selects nothing (`seq < NULL`); `cursor_statement` tells that from an empty page."""
-        where = [f"tenant = {mark}"]
-        params: list[Any] = [tenant]
+        "%s"): `limit` + 1 rows, the extra one saying whether there are more; `tenant` None: every tenant's
+        jobs (the admin key). A cursor that is not a job of the tenant's selects nothing (`seq < NULL`);
+        `cursor_statement` tells that from an empty page."""
+        where, params = _of_tenant(tenant, mark)
         if self.after is not None:
-            where.append(f"seq < (SELECT seq FROM jobs WHERE id = {mark} AND tenant = {mark})")
-            params += [self.after, tenant]
+            cursor, cursor_params = _of_tenant(tenant, mark)
+            where.append(f"seq < (SELECT seq FROM jobs WHERE {' AND '.join([f'id = {mark}', *cursor])})")
+            params += [self.after, *cursor_params]
         if self.status:
             where.append(f"status IN ({', '.join([mark] * len(self.status))})")
             params += list(self.status)
@@ -449,12 +453,13 @@ class JobListing:
                 f" AND job_metadata.key = {mark} AND job_metadata.value = {mark})"
             )
             params += [key, value]
-        sql = f"SELECT {columns} FROM jobs WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT {mark}"
+        condition = f"WHERE {' AND '.join(where)} " if where else ""
+        sql = f"SELECT {columns} FROM jobs {condition}ORDER BY seq DESC LIMIT {mark}"
         return sql, [*params, self.limit + 1]
 
-    def cursor_statement(self, tenant: str, mark: str) -> tuple[str, list[Any]]:
+    def cursor_statement(self, tenant: str | None, mark: str) -> tuple[str, list[Any]]:
         """A row if `after` is a job of the tenant's (asked only when the page came back empty)."""
-        return f"SELECT 1 FROM jobs WHERE id = {mark} AND tenant = {mark}", [self.after, tenant]
+        return _job_of_tenant("1", self.after, tenant, mark)
 
     def page(self, rows: list[Any], cursor_found: bool = True) -> tuple[list[Any], bool]:
         """(the page's rows, whether more follow) from the statement's rows."""
@@ -465,6 +470,17 @@ class JobListing:
                 f"'after' must be the id of a job in a previous page; {self.after} is not.",
             )
         return rows[: self.limit], len(rows) > self.limit
+
+
+def _of_tenant(tenant: str | None, mark: str) -> tuple[list[str], list[Any]]:
+    """The WHERE conditions (and their parameters) that keep to `tenant`'s jobs; None: every tenant's."""
+    return ([], []) if tenant is None else ([f"tenant = {mark}"], [tenant])
+
+
+def _job_of_tenant(columns: str, job_id: Any, tenant: str | None, mark: str) -> tuple[str, list[Any]]:
+    """SELECT `columns` of the job `job_id` if it is one of `tenant`'s (None: any tenant's)."""
+    where, params = _of_tenant(tenant, mark)
+    return f"SELECT {columns} FROM jobs WHERE {' AND '.join([f'id = {mark}', *where])}", [job_id, *params]
 
 
 EVENT_COLUMNS = ("id", "created_at", "type", "level", "message", "step", "data")
@@ -480,8 +496,8 @@ class EventPoll:
     types: Sequence[str] = ()
     limit: int = 500
 
-    def job_statement(self, tenant: str, mark: str) -> tuple[str, list[Any]]:
-        return f"SELECT seq, status FROM jobs WHERE id = {mark} AND tenant = {mark}", [self.job_id, tenant]
+    def job_statement(self, tenant: str | None, mark: str) -> tuple[str, list[Any]]:
+        return _job_of_tenant("seq, status", self.job_id, tenant, mark)
 
     def events_statement(self, job_seq: int, columns: str, mark: str) -> tuple[str, list[Any]]:
         """(Read after the status: an event stored before the job ended is seen before its end.)"""
@@ -665,7 +681,7 @@ _PG_FAILED_EVENT = {
 }
 
 
-def request_cancel(session: Session, tenant: str, job_id: str) -> Job:
+def request_cancel(session: Session, tenant: str | None, job_id: str) -> Job:
     for _ in range(5):
         job = get_job(session, tenant, job_id)
         if job.status in FINAL:

@@ -39,14 +39,14 @@ from api.jobs import (
 
 
 class JobReader(Protocol):
-    async def read_job(self, tenant: str, job_id: str) -> Any | None:
+    async def read_job(self, tenant: str | None, job_id: str) -> Any | None:
         """The job as a row with `api.jobs.JOB_COLUMNS` as attributes, or None."""
 
-    async def list_jobs(self, tenant: str, listing: JobListing) -> tuple[list[Any], bool]:
+    async def list_jobs(self, tenant: str | None, listing: JobListing) -> tuple[list[Any], bool]:
         """A page of the tenant's jobs (rows as `read_job` gives them, newest first) and whether more
         follow; ApiError invalid_cursor for an `after` that is not one of the tenant's jobs."""
 
-    async def poll_events(self, tenant: str, poll: EventPoll) -> tuple[str | None, list[Any]]:
+    async def poll_events(self, tenant: str | None, poll: EventPoll) -> tuple[str | None, list[Any]]:
         """The job's status (None: no such job of the tenant's) and its new events, rows with
         `api.jobs.EVENT_COLUMNS` as attributes (times as datetimes, `data` parsed)."""
 
@@ -72,7 +72,7 @@ def _sqlite_row(values: tuple[Any, ...]) -> Any:
     return JobRow._make(row)
 
 
-def _sqlite_list(execute: Any, tenant: str, listing: JobListing) -> tuple[list[Any], bool]:
+def _sqlite_list(execute: Any, tenant: str | None, listing: JobListing) -> tuple[list[Any], bool]:
     """`listing` run with `execute(sql, params) -> rows` on a SQLite connection."""
     try:
         rows = execute(*listing.statement(tenant, _COLUMNS, "?"))
@@ -82,7 +82,7 @@ def _sqlite_list(execute: Any, tenant: str, listing: JobListing) -> tuple[list[A
     return listing.page([_sqlite_row(values) for values in rows], found)
 
 
-def _sqlite_poll(execute: Any, tenant: str, poll: EventPoll) -> tuple[str | None, list[Any]]:
+def _sqlite_poll(execute: Any, tenant: str | None, poll: EventPoll) -> tuple[str | None, list[Any]]:
     """`poll` run with `execute(sql, params) -> rows` on a SQLite connection."""
     try:
         job = execute(*poll.job_statement(tenant, "?"))
@@ -125,15 +125,15 @@ class InlineReader:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    async def read_job(self, tenant: str, job_id: str) -> Any | None:
+    async def read_job(self, tenant: str | None, job_id: str) -> Any | None:
         with self.engine.connect() as connection:
-            values = connection.exec_driver_sql(SqliteReader.STATEMENT, (job_id, tenant)).first()
+            values = connection.exec_driver_sql(*SqliteReader.statement(tenant, job_id)).first()
         return None if values is None else _sqlite_row(tuple(values))
 
-    async def list_jobs(self, tenant: str, listing: JobListing) -> tuple[list[Any], bool]:
+    async def list_jobs(self, tenant: str | None, listing: JobListing) -> tuple[list[Any], bool]:
         return self._run(_sqlite_list, tenant, listing)
 
-    async def poll_events(self, tenant: str, poll: EventPoll) -> tuple[str | None, list[Any]]:
+    async def poll_events(self, tenant: str | None, poll: EventPoll) -> tuple[str | None, list[Any]]:
         return self._run(_sqlite_poll, tenant, poll)
 
     async def event_heads(self, job_ids: list[str]) -> dict[str, Any]:
@@ -157,6 +157,12 @@ class SqliteReader:
     connection of its own, and does not hold up the loop."""
 
     STATEMENT = f"SELECT {_COLUMNS} FROM jobs WHERE id = ? AND tenant = ?"
+    STATEMENT_ANY_TENANT = f"SELECT {_COLUMNS} FROM jobs WHERE id = ?"
+
+    @classmethod
+    def statement(cls, tenant: str | None, job_id: str) -> tuple[str, tuple[str, ...]]:
+        """The job's row if it is one of `tenant`'s (None: any tenant's, for the admin key)."""
+        return (cls.STATEMENT_ANY_TENANT, (job_id,)) if tenant is None else (cls.STATEMENT, (job_id, tenant))
 
     def __init__(self, path: str, busy_timeout: float = 2.0) -> None:
         self.path = path
@@ -170,21 +176,21 @@ class SqliteReader:
             self.path, timeout=self.busy_timeout, check_same_thread=False, isolation_level=None
         )
 
-    async def read_job(self, tenant: str, job_id: str) -> Any | None:
+    async def read_job(self, tenant: str | None, job_id: str) -> Any | None:
         try:
             if self._connection is None:
                 self._connection = self._connect()
-            values = self._connection.execute(self.STATEMENT, (job_id, tenant)).fetchone()
+            values = self._connection.execute(*self.statement(tenant, job_id)).fetchone()
         except sqlite3.OperationalError as exc:
             raise DatabaseUnavailable(str(exc)) from exc
         return None if values is None else _sqlite_row(values)
 
-    async def list_jobs(self, tenant: str, listing: JobListing) -> tuple[list[Any], bool]:
+    async def list_jobs(self, tenant: str | None, listing: JobListing) -> tuple[list[Any], bool]:
         if listing.filtered:
             return await run_in_threadpool(self._on_own_connection, _sqlite_list, tenant, listing)
         return _sqlite_list(self._execute_inline, tenant, listing)
 
-    async def poll_events(self, tenant: str, poll: EventPoll) -> tuple[str | None, list[Any]]:
+    async def poll_events(self, tenant: str | None, poll: EventPoll) -> tuple[str | None, list[Any]]:
         # Only some types: the events of the others after the cursor are read too (all of a long run's
         # metrics, say), so off the loop, as a filtered list is.
         if poll.types:
@@ -240,7 +246,7 @@ class PostgresReader:
     connect timeout (`DatabaseUnavailable`, a 503) and does not hang: the statement has a time limit too.
     """
 
-    COLUMNS = ", ".join([*("spec::text AS spec" if c == "spec" else c for c in JOB_COLUMNS), "tenant"])
+    COLUMNS = ", ".join("spec::text AS spec" if c == "spec" else c for c in JOB_COLUMNS)
     STATEMENT = f"SELECT {COLUMNS} FROM jobs WHERE id = ANY(%s)"
 
     def __init__(
@@ -267,7 +273,7 @@ class PostgresReader:
         self._connections = pg_async.AsyncConnections(
             conninfo, connect_timeout=connect_timeout, row_factory=namedtuple_row
         )
-        self._waiting: list[tuple[str, str, asyncio.Future[Any]]] = []  # (tenant, job id, answer)
+        self._waiting: list[tuple[str | None, str, asyncio.Future[Any]]] = []  # (tenant, job id, answer)
         self._running = 0  # statements in flight
         self._waiting_since = 0.0  # when the first of `_waiting` asked
         self._slow_check: asyncio.TimerHandle | None = None
@@ -289,7 +295,7 @@ class PostgresReader:
             self._list_slots = asyncio.Semaphore(self.list_size)
         return loop
 
-    async def read_job(self, tenant: str, job_id: str) -> Any | None:
+    async def read_job(self, tenant: str | None, job_id: str) -> Any | None:
         loop = self._bind()
         answer: asyncio.Future[Any] = loop.create_future()
         if not self._waiting:
@@ -321,7 +327,7 @@ class PostgresReader:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _answer(self, batch: list[tuple[str, str, asyncio.Future[Any]]]) -> None:
+    async def _answer(self, batch: list[tuple[str | None, str, asyncio.Future[Any]]]) -> None:
         try:
             rows = await self._read([job_id for _, job_id, _ in batch])
         except BaseException as exc:
@@ -337,14 +343,14 @@ class PostgresReader:
             for tenant, job_id, answer in batch:
                 row = found.get(job_id)
                 if not answer.done():
-                    # Another tenant's job is not found, as everywhere (a 404, not a 403).
-                    answer.set_result(row if row is not None and row.tenant == tenant else None)
+                    # Another tenant's job is not found, as everywhere (a 404, not a 403); None: the admin.
+                    answer.set_result(row if row is not None and tenant in (None, row.tenant) else None)
         finally:
             self._running -= 1
             if self._waiting and self._loop is asyncio.get_running_loop():
                 self._start(self._loop)
 
-    async def list_jobs(self, tenant: str, listing: JobListing) -> tuple[list[Any], bool]:
+    async def list_jobs(self, tenant: str | None, listing: JobListing) -> tuple[list[Any], bool]:
         self._bind()
         async with self._list_slots:
             rows = await self._execute(*listing.statement(tenant, self.COLUMNS, "%s"), self.list_timeout)
@@ -353,7 +359,7 @@ class PostgresReader:
                 found = bool(await self._execute(*listing.cursor_statement(tenant, "%s"), self.list_timeout))
         return listing.page(rows, found)
 
-    async def poll_events(self, tenant: str, poll: EventPoll) -> tuple[str | None, list[Any]]:
+    async def poll_events(self, tenant: str | None, poll: EventPoll) -> tuple[str | None, list[Any]]:
         self._bind()
         async with self._list_slots:
             job = await self._execute(*poll.job_statement(tenant, "%s"), self.list_timeout)

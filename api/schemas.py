@@ -51,7 +51,7 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI entries for the error answers a route can give (all share ErrorResponse)."""
     text = {
         400: "Bad request parameters.",
-        401: "No API key, or an unknown or revoked one.",
+        401: "No API key, or an unknown, revoked or expired one.",
         403: "The key may not do this.",
         404: "No such job (or not one of your tenant's).",
         409: "Conflicts with the job's state or an earlier request.",
@@ -86,6 +86,7 @@ class JobError(BaseModel):
 class JobPublic(BaseModel):
     id: str
     object: str = "fine_tuning.job"
+    tenant: str = Field(description="The tenant (team) the job belongs to: its API key's.")
     name: str
     status: str
     status_message: str | None
@@ -117,6 +118,7 @@ class JobPublic(BaseModel):
             fraction = min(1.0, job.step / job.total_steps)
         return cls.model_construct(
             id=job.id,
+            tenant=job.tenant,
             name=job.name,
             status=job.status,
             status_message=job.status_message,

@@ -399,7 +399,7 @@ class EventWatch:
         self._reads: dict[tuple[Any, ...], tuple[float, asyncio.Task[Any]]] = {}
 
     async def read(
-        self, tenant: str, poll: Any, render: Callable[[Any], str]
+        self, tenant: str | None, poll: Any, render: Callable[[Any], str]
     ) -> tuple[str | None, list[tuple[int, str]]]:
         """`reader.poll_events(tenant, poll)`, each event as (id, `render(row)`); shared with the followers
         that ask for the same after the same look. A read made before the last look (it empties `_reads`),
@@ -418,7 +418,7 @@ class EventWatch:
         return await asyncio.shield(entry[1])
 
     async def _read(
-        self, tenant: str, poll: Any, render: Callable[[Any], str]
+        self, tenant: str | None, poll: Any, render: Callable[[Any], str]
     ) -> tuple[str | None, list[tuple[int, str]]]:
         status, rows = await self.reader.poll_events(tenant, poll)
         return status, [(row.id, render(row)) for row in rows]
@@ -464,7 +464,7 @@ class EventWatch:
                 if waiter.woken.done():  # (timed out during the look)
                     continue
                 head = heads.get(waiter.job_id)
-                if head is None or head.tenant != waiter.stream.principal.tenant:
+                if head is None or waiter.stream.principal.scope not in (None, head.tenant):
                     waiter.woken.set_result(waiter.seen)  # (its next read finds the job gone)
                 elif head.status != waiter.status or head.last_event > waiter.seen:
                     waiter.woken.set_result(head.last_event)

@@ -131,6 +131,67 @@ def test_tenants_are_isolated(auth_client: TestClient, dataset: Path) -> None:
     assert a.status_code == b.status_code == 201 and a.json()["id"] != b.json()["id"]
 
 
+def test_the_admin_key_sees_and_acts_on_every_tenants_jobs(auth_client: TestClient, dataset: Path) -> None:
+    """A platform team's view of the shared quota: the admin key lists, reads, follows and cancels the
+    jobs of every tenant (each job says whose it is); a tenant's key still sees only its own."""
+    alpha, beta = make_key(auth_client, "alpha"), make_key(auth_client, "beta")
+    ids = {}
+    for name, key in (("alpha", alpha), ("beta", beta), ("default", ADMIN), ("alpha2", alpha)):
+        created = auth_client.post("/jobs", json=job(dataset) | {"name": name}, headers=bearer(key))
+        assert created.status_code == 201, created.text
+        ids[name] = created.json()["id"]
+        assert created.json()["tenant"] == {"alpha2": "alpha"}.get(name, name)
+    admin = bearer(ADMIN)
+
+    def listed(headers: dict[str, str], **params: str | int) -> list[tuple[str, str]]:
+        page = auth_client.get("/jobs", params=params, headers=headers)
+        assert page.status_code == 200, page.text
+        return [(j["name"], j["tenant"]) for j in page.json()["data"]]
+
+    everyone = [("alpha2", "alpha"), ("default", "default"), ("beta", "beta"), ("alpha", "alpha")]
+    assert listed(admin) == everyone
+    assert listed(admin, tenant="alpha") == [("alpha2", "alpha"), ("alpha", "alpha")]
+    assert listed(admin, tenant="nobody") == []
+    assert listed(admin, status="queued", limit=2) == everyone[:2]
+    # Paged across tenants; a cursor of another tenant's job is no cursor for a tenant's page.
+    pages, after = [], None
+    while True:
+        page = auth_client.get(
+            "/jobs", params={"limit": 1, **({"after": after} if after else {})}, headers=admin
+        )
+        pages += [j["name"] for j in page.json()["data"]]
+        if not page.json()["has_more"]:
+            break
+        after = page.json()["next_after"]
+    assert pages == [name for name, _ in everyone]
+    stray = auth_client.get("/jobs", params={"tenant": "alpha", "after": ids["beta"]}, headers=admin)
+    assert stray.status_code == 400 and stray.json()["error"]["code"] == "invalid_cursor"
+    # A tenant's key: its own jobs, `tenant` naming its own or nothing; another tenant's is an admin's.
+    assert listed(bearer(alpha)) == [("alpha2", "alpha"), ("alpha", "alpha")]
+    assert listed(bearer(alpha), tenant="alpha") == [("alpha2", "alpha"), ("alpha", "alpha")]
+    refused = auth_client.get("/jobs", params={"tenant": "beta"}, headers=bearer(alpha))
+    assert refused.status_code == 403, refused.text
+    assert refused.json()["error"]["code"] == "admin_only" and refused.json()["error"]["param"] == "tenant"
+    assert auth_client.get(f"/jobs/{ids['beta']}", headers=bearer(alpha)).status_code == 404
+    assert auth_client.get(f"/jobs/{ids['default']}", headers=bearer(alpha)).status_code == 404
+
+    # Every job route, for the admin, on another tenant's job.
+    beta_job = ids["beta"]
+    assert auth_client.get(f"/jobs/{beta_job}", headers=admin).json()["tenant"] == "beta"
+    for path in ("events", "metrics", "checkpoints"):
+        response = auth_client.get(f"/jobs/{beta_job}/{path}", headers=admin)
+        assert response.status_code == 200, (path, response.text)
+    cancelled = auth_client.post(f"/jobs/{beta_job}/cancel", headers=admin)
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
+    assert auth_client.get(f"/jobs/{beta_job}", headers=bearer(beta)).json()["status"] == "cancelled"
+    with auth_client.stream(
+        "GET", f"/jobs/{beta_job}/events", params={"follow": "true"}, headers=admin
+    ) as followed:
+        assert followed.status_code == 200
+        text = "".join(followed.iter_text())
+    assert "Cancelled before it started." in text and text.endswith("event: end\ndata: {}\n\n")
+
+
 def test_keys_are_hashed_listed_and_revocable(auth_client: TestClient, dataset: Path) -> None:
     key = make_key(auth_client, "alpha")
     listed = auth_client.get("/admin/keys", headers=bearer(ADMIN)).json()["data"]
@@ -167,7 +228,7 @@ def test_worker_token_cannot_read_or_cancel(auth_client: TestClient, dataset: Pa
 
 def test_browser_session_cookie(auth_client: TestClient) -> None:
     key = make_key(auth_client, "alpha")
-    signed_out = {"auth_required": True, "signed_in": False, "tenant": None}
+    signed_out = {"auth_required": True, "signed_in": False, "tenant": None, "admin": False}
     assert auth_client.get("/auth/session").json() == signed_out
     assert auth_client.post("/auth/session", json={"key": "nope"}).status_code == 401
     response = auth_client.post("/auth/session", json={"key": key})
@@ -176,6 +237,7 @@ def test_browser_session_cookie(auth_client: TestClient) -> None:
         "auth_required": True,
         "signed_in": True,
         "tenant": "alpha",
+        "admin": False,
     }
     assert "httponly" in response.headers["set-cookie"].lower()
     assert "samesite=strict" in response.headers["set-cookie"].lower()
@@ -184,6 +246,8 @@ def test_browser_session_cookie(auth_client: TestClient) -> None:
     assert response.status_code == 204 and 'tputune_key=""' in response.headers["set-cookie"]
     auth_client.cookies.clear()
     assert auth_client.get("/jobs").status_code == 401
+    auth_client.cookies.set("tputune_key", ADMIN)
+    assert auth_client.get("/auth/session").json()["admin"] is True
     auth_client.cookies.set("tputune_key", key)  # a revoked key's cookie is no session
     auth_client.delete(f"/admin/keys/{key_id_of(auth_client, key)}", headers=bearer(ADMIN))
     assert auth_client.get("/auth/session").json() == signed_out

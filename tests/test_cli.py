@@ -166,6 +166,29 @@ def test_keys_commands(live_api, capsys) -> None:  # type: ignore[no-untyped-def
     assert code == 3 and "(invalid_api_key)" in err
 
 
+def test_list_pages_and_the_admin_sees_every_tenant(live_api, dataset: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    api = live_api(admin_key="the-admin-key-123", dispatcher_enabled=False)
+    admin = ("--api-key", "the-admin-key-123")
+    ids = {}
+    for tenant in ("t1", "t2"):
+        code, out, _ = run(api, capsys, *admin, "keys", "create", "--tenant", tenant, "--name", "ci")
+        key = out.splitlines()[-1]
+        flags = ["--name", f"{tenant}-job", "--model", "tiny", "--dataset", str(dataset)]
+        code, out, _ = run(api, capsys, "--api-key", key, "submit", *flags)
+        assert code == 0, out
+        ids[tenant] = out.split()[1]
+    code, out, _ = run(api, capsys, *admin, "list")
+    lines = out.splitlines()
+    assert "TENANT" in lines[0]
+    assert [line.split()[:2] for line in lines[1:]] == [[ids["t2"], "t2"], [ids["t1"], "t1"]]
+    code, out, _ = run(api, capsys, *admin, "list", "--tenant", "t1")
+    assert "TENANT" not in out and ids["t1"] in out and ids["t2"] not in out
+    code, out, _ = run(api, capsys, *admin, "list", "--limit", "1")
+    assert out.splitlines()[-1] == f"(more: --after {ids['t2']})"
+    code, out, _ = run(api, capsys, *admin, "list", "--after", ids["t2"])
+    assert ids["t1"] in out and ids["t2"] not in out and "(more" not in out
+
+
 def test_invalid_settings_are_named_as_the_environment_names_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -428,11 +428,44 @@ def test_sign_in_when_keys_are_required(
     expect(page.locator("#empty")).to_be_visible()
     expect(form).to_be_hidden()
     assert httpx.get(api.url + "/jobs").status_code == 401  # the key lives in this browser's cookie only
-    expect(page.locator("#session")).to_have_text(f"Signed in to tenant {DEFAULT_TENANT}. Sign out")
+    expect(page.locator("#session")).to_have_text("Signed in as the admin: every tenant's jobs. Sign out")
     page.get_by_role("button", name="Sign out").click()
     expect(form).to_be_visible()  # the cookie is gone: the next call asks for a key again
     expect(page.locator("#session")).to_have_count(0)
     assert not [c for c in page.context.cookies() if c["name"] == COOKIE_NAME]
+
+
+def test_the_admin_sees_whose_each_job_is_and_a_tenant_only_its_own(
+    live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    api = live_api(dispatcher_enabled=False, admin_key=ADMIN)
+    api.headers = {"Authorization": f"Bearer {ADMIN}"}
+    ids, keys = {}, {}
+    for tenant in ("alpha", "beta"):
+        with api.client() as http:
+            keys[tenant] = http.post("/admin/keys", json={"tenant": tenant, "name": "browser"}).json()["key"]
+        api.headers = {"Authorization": f"Bearer {keys[tenant]}"}
+        ids[tenant] = create(api, dataset, f"{tenant} job")
+        api.headers = {"Authorization": f"Bearer {ADMIN}"}
+
+    def signed_in(key: str) -> Page:
+        page = open_tab(api, "/ui/").page
+        page.get_by_label("API key").fill(key)
+        page.get_by_role("button", name="Sign in").click()
+        return page
+
+    page = signed_in(ADMIN)
+    rows = page.locator("#jobs tbody tr")
+    expect(rows).to_have_count(2)
+    for tenant, job_id in ids.items():
+        expect(page.locator(f'tr[data-job-id="{job_id}"] small')).to_have_text(f"{job_id} · {tenant}")
+    page.get_by_role("link", name="beta job").click()
+    expect(page.locator("#f-tenant")).to_have_text("beta")
+
+    page = signed_in(keys["alpha"])
+    expect(page.locator("#session")).to_have_text("Signed in to tenant alpha. Sign out")
+    expect(rows := page.locator("#jobs tbody tr")).to_have_count(1)
+    expect(rows.first.locator("small")).to_have_text(ids["alpha"])  # (one tenant: no need to say whose)
 
 
 def test_a_refused_stream_is_followed_again(

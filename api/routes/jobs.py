@@ -129,17 +129,36 @@ async def create_job(request: Request) -> Response:
     return json_response(JobPublic.of(outcome.job))
 
 
-@router.get("", response_model=JobPage, summary="List jobs, newest first", responses=error_responses(400))
+@router.get(
+    "", response_model=JobPage, summary="List jobs, newest first", responses=error_responses(400, 403)
+)
 async def list_jobs(
     request: Request,
-    tenant: TenantDep,
+    scope: TenantDep,
     status: Annotated[
         list[JobStatus] | None, Query(max_length=16, description="Only jobs in these statuses.")
     ] = None,
     after: Annotated[str | None, Query(description="A job id: return the jobs older than it.")] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    tenant: Annotated[
+        str | None,
+        Query(
+            min_length=1,
+            max_length=64,
+            description="Only this tenant's jobs. The admin key lists every tenant's by default; another "
+            "key sees only its own tenant's.",
+        ),
+    ] = None,
 ) -> Response:
     """Filter by metadata with `metadata[key]=value` query parameters (all must match)."""
+    if tenant is not None and scope is not None and tenant != scope:
+        raise ApiError(
+            403,
+            "admin_only",
+            f"Only the admin key lists another tenant's jobs; this key's are those of '{scope}': "
+            "leave out `tenant`.",
+            param="tenant",
+        )
     metadata = {}
     for name, value in request.query_params.multi_items():
         match = _METADATA_PARAM.match(name)
@@ -159,7 +178,7 @@ async def list_jobs(
     listing = service.JobListing(
         status=sorted({s.value for s in status or []}), metadata=metadata, after=after, limit=limit
     )
-    rows, has_more = await request.app.state.job_reader.list_jobs(tenant, listing)
+    rows, has_more = await request.app.state.job_reader.list_jobs(tenant or scope, listing)
     return Response(_page_json(rows, has_more), media_type="application/json")
 
 
@@ -181,8 +200,8 @@ def _page_json(rows: list[Any], has_more: bool) -> str:
 async def get_job(job_id: str, request: Request) -> Response:
     # The route clients poll: it authenticates itself instead of through a dependency (solving one cost a
     # quarter of the route's CPU time) and reads on the event loop (see api.reader).
-    tenant = (await caller(request)).tenant
-    row = await request.app.state.job_reader.read_job(tenant, job_id)
+    scope = (await caller(request)).scope
+    row = await request.app.state.job_reader.read_job(scope, job_id)
     if row is None:
         raise not_found(job_id)
     return Response(_rendered(row), media_type="application/json")
@@ -253,7 +272,7 @@ def list_events(
     Followed, the stream ends with an `end` event when the job has ended, or a `closed` event (`code`,
     `message`) when the server stops it (the API key was revoked). One that ends without either (the server
     shutting down) is followed again, after its last event (`Last-Event-ID`)."""
-    job = service.get_job(session, principal.tenant, job_id)
+    job = service.get_job(session, principal.scope, job_id)
     types = sorted(set(type or []))  # (9,000 `type=x` were 9,000 parameters)
     if follow:
         start = after
@@ -295,7 +314,7 @@ async def _follow_events(
     # when the job has something new: the process's EventWatch looks for all its followers at once, and
     # shares a read among the followers of a job that ask for the same.
     watch: EventWatch = request.app.state.event_watch
-    tenant = stream.principal.tenant
+    tenant = stream.principal.scope
     seen = after  # the newest event id looked past (with `types`, past events of other types too)
     quiet_since = time.monotonic()
     while not await request.is_disconnected():
@@ -395,7 +414,7 @@ def job_logs(
 ) -> Response:
     """JAX process 0's log: the last `tail` lines, or with `follow=true` those and then new ones as they
     come (kubernetes executor; the stream ends when the pod does, e.g. at a restart: follow again)."""
-    job = service.get_job(session, principal.tenant, job_id)
+    job = service.get_job(session, principal.scope, job_id)
     if follow:
         if not isinstance(executor, FollowsLogs):
             raise ApiError(

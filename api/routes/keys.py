@@ -160,6 +160,7 @@ class SessionState(BaseModel):
     auth_required: bool = Field(description="Whether this server needs an API key.")
     signed_in: bool = Field(description="Whether this browser's cookie holds a valid key.")
     tenant: str | None = Field(description="The signed-in key's tenant.")
+    admin: bool = Field(default=False, description="Whether it is the admin key (every tenant's jobs).")
 
 
 @router.get("/auth/session", response_model=SessionState, summary="Whether the browser is signed in")
@@ -172,7 +173,7 @@ def session_state(request: Request) -> SessionState:
         principal = auth.authenticate(key)
     except ApiError:
         return SessionState(auth_required=True, signed_in=False, tenant=None)
-    return SessionState(auth_required=True, signed_in=True, tenant=principal.tenant)
+    return SessionState(auth_required=True, signed_in=True, tenant=principal.tenant, admin=principal.is_admin)
 
 
 @router.delete("/auth/session", status_code=204, summary="Sign the browser out")

@@ -41,9 +41,12 @@ function askToSignIn() {
   });
 }
 
+// Whether this browser is signed in, and with which key: GET /auth/session (null if it failed).
+export const session = api("/auth/session").catch(() => null);
+
 // A browser signed in with a key gets a "Sign out" button in the page header.
 async function showSession() {
-  const state = await api("/auth/session").catch(() => null);
+  const state = await session;
   const header = document.querySelector("header.top");
   if (!state?.signed_in || !header) return;
   const button = el("button", { text: "Sign out", attrs: { type: "button", id: "signout" } });
@@ -51,10 +54,10 @@ async function showSession() {
     await api("/auth/session", { method: "DELETE" }).catch(() => null);
     location.reload();
   });
-  header.append(el("p", { className: "session muted", attrs: { id: "session" } }, [
-    `Signed in to tenant ${state.tenant}. `,
-    button,
-  ]));
+  const who = state.admin
+    ? "Signed in as the admin: every tenant's jobs. "
+    : `Signed in to tenant ${state.tenant}. `;
+  header.append(el("p", { className: "session muted", attrs: { id: "session" } }, [who, button]));
 }
 
 showSession();

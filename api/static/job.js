@@ -59,6 +59,7 @@ function showJob(next) {
   $("f-model").textContent = job.model;
   $("f-method").textContent = job.method;
   $("f-executor").textContent = job.executor;
+  $("f-tenant").textContent = job.tenant;
   $("f-loss").textContent = formatNumber(job.metrics.loss);
   $("f-eval-loss").textContent = formatNumber(job.metrics.eval_loss);
   $("f-lr").textContent = formatNumber(job.metrics.learning_rate);

@@ -1,5 +1,5 @@
 // The jobs list: GET /jobs with the chosen status filter, refreshed every few seconds.
-import { api, el, formatAge, formatNumber, percent, setProgress, statusBadge } from "./common.js";
+import { api, el, formatAge, formatNumber, percent, session, setProgress, statusBadge } from "./common.js";
 
 const REFRESH_MS = 5000;
 const PAGE_SIZE = 50;
@@ -8,6 +8,7 @@ const params = new URLSearchParams(location.search);
 const filter = document.getElementById("status-filter");
 const tbody = document.querySelector("#jobs tbody");
 const rows = new Map();
+let showTenants = false; // the admin sees every tenant's jobs: each says whose it is
 filter.value = params.get("status") ?? "";
 
 function pageUrl(after) {
@@ -28,7 +29,11 @@ function cells(job) {
   const link = el("a", { text: job.name, attrs: { href: `/ui/jobs/${encodeURIComponent(job.id)}` } });
   const fraction = percent(job.progress.fraction);
   return [
-    el("td", {}, [link, el("br"), el("small", { text: job.id, className: "muted mono" })]),
+    el("td", {}, [
+      link,
+      el("br"),
+      el("small", { text: showTenants ? `${job.id} · ${job.tenant}` : job.id, className: "muted mono" }),
+    ]),
     el("td", {}, [statusBadge(job.status)]),
     el("td", { text: job.model }),
     el("td", { text: job.method }),
@@ -62,6 +67,7 @@ function render(jobs) {
 }
 
 async function refresh() {
+  showTenants = Boolean((await session)?.admin);
   const query = new URLSearchParams({ limit: String(PAGE_SIZE) });
   if (filter.value) query.set("status", filter.value);
   if (params.get("after")) query.set("after", params.get("after"));
