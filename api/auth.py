@@ -48,6 +48,11 @@ class Principal:
         keyless single-user server)."""
         return None if self.is_admin else self.tenant
 
+    @property
+    def who(self) -> str | None:
+        """Who this is, as a job's events name the caller; None for the keyless single user."""
+        return {"anonymous": None, "admin": "the admin"}.get(self.key_id, f"key {self.key_id}")
+
 
 ANONYMOUS = Principal(tenant=DEFAULT_TENANT, key_id="anonymous", is_admin=True)
 ADMIN = Principal(tenant=DEFAULT_TENANT, key_id="admin", is_admin=True)

@@ -681,7 +681,11 @@ _PG_FAILED_EVENT = {
 }
 
 
-def request_cancel(session: Session, tenant: str | None, job_id: str) -> Job:
+def request_cancel(session: Session, tenant: str | None, job_id: str, by: str | None = None) -> Job:
+    """Cancel the job (of `tenant`'s; None: any): at once if it never launched, else `cancelling`. `by`:
+    who asked, in the status message and event ("the admin", "key key_x"), so that a tenant whose job
+    someone else stopped can tell who."""
+    who = f" by {by}" if by else ""
     for _ in range(5):
         job = get_job(session, tenant, job_id)
         if job.status in FINAL:
@@ -693,13 +697,13 @@ def request_cancel(session: Session, tenant: str | None, job_id: str) -> Job:
         if job.status == JobStatus.cancelling:
             return job
         if job.status == JobStatus.queued and job.launched_at is None:
-            done = transition(session, job, JobStatus.cancelled, "Cancelled before it started.")
+            done = transition(session, job, JobStatus.cancelled, f"Cancelled{who} before it started.")
         else:
             done = transition(
                 session,
                 job,
                 JobStatus.cancelling,
-                "Cancel requested; stopping the workers.",
+                f"Cancel requested{who}; stopping the workers.",
                 cancel_requested_at=utcnow(),
             )
         if done:

@@ -183,13 +183,20 @@ def test_the_admin_key_sees_and_acts_on_every_tenants_jobs(auth_client: TestClie
         assert response.status_code == 200, (path, response.text)
     cancelled = auth_client.post(f"/jobs/{beta_job}/cancel", headers=admin)
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
-    assert auth_client.get(f"/jobs/{beta_job}", headers=bearer(beta)).json()["status"] == "cancelled"
+    # The tenant sees who stopped its job.
+    seen = auth_client.get(f"/jobs/{beta_job}", headers=bearer(beta)).json()
+    assert (seen["status"], seen["status_message"]) == (
+        "cancelled",
+        "Cancelled by the admin before it started.",
+    )
+    own = auth_client.post(f"/jobs/{ids['alpha2']}/cancel", headers=bearer(alpha)).json()
+    assert own["status_message"] == f"Cancelled by key {key_id_of(auth_client, alpha)} before it started."
     with auth_client.stream(
         "GET", f"/jobs/{beta_job}/events", params={"follow": "true"}, headers=admin
     ) as followed:
         assert followed.status_code == 200
         text = "".join(followed.iter_text())
-    assert "Cancelled before it started." in text and text.endswith("event: end\ndata: {}\n\n")
+    assert "Cancelled by the admin before it started." in text and text.endswith("event: end\ndata: {}\n\n")
 
 
 def test_keys_are_hashed_listed_and_revocable(auth_client: TestClient, dataset: Path) -> None:
@@ -390,6 +397,7 @@ def test_keys_record_when_they_were_last_used(make_settings: Callable[..., Setti
         deadline = time.monotonic() + 5
         while stored_key(client, key_id).last_used_at is None and time.monotonic() < deadline:
             time.sleep(0.05)  # written by the process's own task, every use_flush_seconds
+        time.sleep(0.5)  # (a flush between the two calls wrote the first: the next writes the second)
         used = as_utc(stored_key(client, key_id).last_used_at)
         assert used is not None and before <= used <= datetime.now(UTC)
         assert stored_key(client, idle_id).last_used_at is None

@@ -230,9 +230,12 @@ _RENDERED_MAX = 4096
     summary="Cancel a job",
     responses={**_errors, 409: {"model": ErrorResponse, "description": "The job already finished."}},
 )
-def cancel_job(job_id: str, session: SessionDep, tenant: TenantDep, dispatcher: DispatcherDep) -> Response:
-    """A queued job is cancelled at once; a running one goes to `cancelling` until its workers stop."""
-    job = service.request_cancel(session, tenant, job_id)
+def cancel_job(
+    job_id: str, session: SessionDep, principal: PrincipalDep, dispatcher: DispatcherDep
+) -> Response:
+    """A queued job is cancelled at once; a running one goes to `cancelling` until its workers stop. Its
+    status message and event say who asked (a key's id, or the admin)."""
+    job = service.request_cancel(session, principal.scope, job_id, principal.who)
     if dispatcher is not None:
         dispatcher.wake()
     return json_response(JobPublic.of(job))
