@@ -17,11 +17,11 @@ from api import jobs as service
 from api.datasets import DatasetUnavailable, StorageUnreachable, check_dataset
 from api.db import session_scope
 from api.executors import Discards, Executor, ExecutorUnavailable, Observation
-from api.models import Job, job_spec, utcnow
+from api.models import Job, utcnow
 from api.observability import DispatcherStats, job_id_var
 from api.settings import Settings
 from api.states import ACTIVE, JobStatus
-from api.validation import job_chips
+from api.validation import held_chips
 from worker.config import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED
 
 log = logging.getLogger(__name__)
@@ -351,10 +351,7 @@ class Dispatcher:
         return None
 
     def _chips(self, job: Any) -> int:
-        try:
-            return job_chips(job_spec(job), self.settings)
-        except Exception:  # a spec this server's settings no longer accept still holds what it holds
-            return 0
+        return held_chips(job, self.settings)
 
     def _follow(self, session: Session, job: Job) -> None:
         if job.status == JobStatus.cancelling:

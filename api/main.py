@@ -27,6 +27,7 @@ from api.routes import dashboard, health, jobs, keys
 from api.settings import Settings
 from api.streams import EVENTS, LOGS, EventWatch, SharedKeyStreams, Streams
 from api.usage import USAGE_STATS_FILE, UsageStats
+from api.validation import held_chips
 from api.writer import make_writer
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,10 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
     engine = engine or make_engine(settings.resolved_database_url, settings.database_pool_size)
     executor = make_executor(settings)
     job_reader = make_reader(engine)
+
+    def chips(job: Any) -> int:
+        return held_chips(job, settings)
+
     load = None
     dispatcher: Dispatcher | DispatcherProcess | None = None
     wakes: Wakes | None = None
@@ -136,10 +141,10 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
         else:
             dispatcher = DispatcherProcess(settings)
             stats = dispatcher.stats
-        metrics = Metrics(engine, dispatcher_stats=stats, multiprocess=worker)
+        metrics = Metrics(engine, dispatcher_stats=stats, multiprocess=worker, chips=chips)
         wakes = Waker(settings.data_dir / WAKE_FILE, stats)
     else:
-        metrics = Metrics(engine, multiprocess=worker)
+        metrics = Metrics(engine, multiprocess=worker, chips=chips)
         if settings.dispatcher_enabled:
             load = RequestLoad()  # a dispatcher thread yields to requests (a process does not share the GIL)
             dispatcher = wakes = make_dispatcher(engine, executor, settings, metrics, api_busy=load.busy)

@@ -7,7 +7,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
@@ -16,11 +16,11 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from sqlalchemy import func
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.models import Job
-from api.states import JobStatus
+from api.states import ACTIVE, FINAL, JobStatus
 
 CALLER = "tputune.caller"  # scope["state"][CALLER]: the request's Principal, once known (api.deps.caller)
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
@@ -37,7 +37,11 @@ class Metrics:
     worker a scrape reaches."""
 
     def __init__(
-        self, engine: Engine, dispatcher_stats: Collector | None = None, multiprocess: bool = False
+        self,
+        engine: Engine,
+        dispatcher_stats: Collector | None = None,
+        multiprocess: bool = False,
+        chips: Callable[[Any], int] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         own: CollectorRegistry | None = self.registry
@@ -78,7 +82,7 @@ class Metrics:
         else:
             self.launches = Counter(LAUNCHES[0], LAUNCHES[1], registry=own)
             self.last_pass = Gauge(LAST_PASS[0], LAST_PASS[1], registry=own, multiprocess_mode="max")
-        self.registry.register(_JobsByStatus(engine))
+        self.registry.register(_JobsByStatus(engine, chips or (lambda _job: 1)))
 
     # --- DispatcherStats, for a dispatcher thread ---
 
@@ -107,18 +111,50 @@ class DispatcherStats(Protocol):
 
 
 class _JobsByStatus(Collector):
-    def __init__(self, engine: Engine) -> None:
+    """`tputune_jobs` by status; and for each tenant with unfinished jobs, those by status and the chips
+    its running jobs hold (`chips` of a job: what TPUTUNE_TENANT_MAX_ACTIVE_CHIPS caps), to watch the
+    shared quota and each team's share of it."""
+
+    def __init__(self, engine: Engine, chips: Callable[[Any], int]) -> None:
         self.engine = engine
+        self.chips = chips
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily("tputune_jobs", "Jobs by status", labels=["status"])
+        tenants = GaugeMetricFamily(
+            "tputune_tenant_jobs", "Unfinished jobs of each tenant, by status", labels=["tenant", "status"]
+        )
+        held = GaugeMetricFamily(
+            "tputune_tenant_chips",
+            "TPU chips (local executor: processes) each tenant's running jobs hold",
+            labels=["tenant"],
+        )
         counts = dict.fromkeys((s.value for s in JobStatus), 0)
+        unfinished = [s.value for s in JobStatus if s not in FINAL]
         with Session(self.engine) as session:
             for status, count in session.exec(select(Job.status, func.count()).group_by(Job.status)):
                 counts[status] = count
+            by_tenant = session.exec(
+                select(Job.tenant, Job.status, func.count())
+                .where(col(Job.status).in_(unfinished))
+                .group_by(Job.tenant, Job.status)
+            ).all()
+            active = session.exec(
+                select(Job.id, Job.tenant, Job.spec).where(col(Job.status).in_([s.value for s in ACTIVE]))
+            ).all()
         for status, count in counts.items():
             family.add_metric([status], count)
         yield family
+        chips: dict[str, int] = {}
+        for tenant, status, count in by_tenant:
+            tenants.add_metric([tenant, status], count)
+            chips.setdefault(tenant, 0)
+        for row in active:  # (id, tenant, spec)
+            chips[row[1]] = chips.get(row[1], 0) + self.chips(row)
+        yield tenants
+        for tenant, count in sorted(chips.items()):
+            held.add_metric([tenant], count)
+        yield held
 
 
 access_log = logging.getLogger("tputune.access")

@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from api import tpu
 from api.errors import ApiError
 from api.jobset import tpu_request
+from api.models import job_spec
 from api.settings import Settings
 from worker.config import TINY_MODEL, JobSpec
 
@@ -174,6 +176,15 @@ def check_spec(spec: JobSpec, settings: Settings) -> None:
             "slices (processes), or ask your admin to raise the limit.",
             param="resources",
         )
+
+
+def held_chips(job: Any, settings: Settings) -> int:
+    """`job_chips` of a stored job (a Job or a row with its `id` and `spec`); 0 for a spec this server's
+    settings no longer accept: it still holds what it holds, but nothing here can tell how much."""
+    try:
+        return job_chips(job_spec(job), settings)
+    except Exception:
+        return 0
 
 
 def job_chips(spec: JobSpec, settings: Settings) -> int:

@@ -9,10 +9,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fastapi.testclient import TestClient
+from sqlmodel import Session, select
 
+from api.jobs import transition
 from api.main import create_app
+from api.models import Job
 from api.observability import JsonFormatter, request_id_var
 from api.settings import Settings
+from api.states import JobStatus
 from tests.test_progress import metrics, post, started_job
 
 
@@ -28,6 +32,53 @@ def test_metrics_exposition(client: TestClient, dataset: Path) -> None:
     # Routes are labelled by template, so ids never multiply the series.
     assert 'route="/jobs/{job_id}"' in body and job_id not in body
     assert token not in body
+
+
+def test_metrics_show_each_tenants_jobs_and_chips(
+    make_settings: Callable[..., Settings], dataset: Path
+) -> None:
+    """The shared quota by team: each tenant's unfinished jobs by status, and the chips (local executor:
+    processes) its running jobs hold, what TPUTUNE_TENANT_MAX_ACTIVE_CHIPS caps."""
+    from tests.test_auth import ADMIN, bearer, make_key
+
+    app = create_app(make_settings(dispatcher_enabled=False, admin_key=ADMIN, rate_limit_per_second=0))
+    with TestClient(app) as client:
+        keys = {tenant: make_key(client, tenant) for tenant in ("alpha", "beta", "gamma")}
+
+        def submit(tenant: str, processes: int = 1) -> str:
+            body = {
+                "name": "m",
+                "model": "tiny",
+                "dataset_uri": str(dataset),
+                "resources": {"processes": processes},
+            }
+            created = client.post("/jobs", json=body, headers=bearer(keys[tenant]))
+            assert created.status_code == 201, created.text
+            return str(created.json()["id"])
+
+        def move(job_id: str, *path: JobStatus) -> None:
+            with Session(app.state.engine) as session:
+                job = session.exec(select(Job).where(Job.id == job_id)).one()
+                for status in path:
+                    assert transition(session, job, status)
+
+        move(submit("alpha", processes=2), JobStatus.starting, JobStatus.running)
+        move(submit("alpha", processes=4), JobStatus.starting)
+        submit("alpha")
+        submit("beta")
+        move(submit("beta", processes=8), JobStatus.cancelled)  # (finished: holds nothing)
+        move(submit("gamma"), JobStatus.cancelled)
+        body = client.get("/metrics").text
+    lines = {line for line in body.splitlines() if line.startswith("tputune_tenant_")}
+    assert lines == {
+        'tputune_tenant_jobs{status="running",tenant="alpha"} 1.0',
+        'tputune_tenant_jobs{status="starting",tenant="alpha"} 1.0',
+        'tputune_tenant_jobs{status="queued",tenant="alpha"} 1.0',
+        'tputune_tenant_jobs{status="queued",tenant="beta"} 1.0',
+        'tputune_tenant_chips{tenant="alpha"} 6.0',
+        'tputune_tenant_chips{tenant="beta"} 0.0',
+    }
+    assert 'tputune_jobs{status="cancelled"} 2.0' in body
 
 
 def test_metrics_can_be_turned_off(make_settings: Callable[..., Settings]) -> None:
