@@ -300,6 +300,15 @@ def keys(args: argparse.Namespace) -> int:
                     f"{key['id']:<16} {key['prefix']:<16} {key['tenant']:<16} {state:<28} {used:<18} "
                     f"{key['name']}"
                 )
+        elif args.action == "rotate":
+            key = client.rotate_key(args.key_id, args.grace_seconds, args.expires_in_days)
+            old = key["replaces"]
+            expiry = f", expires {_when(key['expires_at'])}" if key["expires_at"] else ""
+            print(
+                f"created {key['id']} for tenant {key['tenant']}{expiry}; {old['id']} stops working at "
+                f"{_time(old['expires_at']).strftime('%Y-%m-%d %H:%M:%S')} UTC. The key is shown only now:"
+            )
+            print(key["key"])
         else:
             key = client.revoke_key(args.key_id)
             print(f"{key['id']} revoked")
@@ -397,6 +406,15 @@ def parser() -> argparse.ArgumentParser:
         "--expires-in-days", type=int, help="the key stops working after this many days (default: never)"
     )
     actions.add_parser("list", help="list keys")
+    a = actions.add_parser("rotate", help="replace a key: a new one (printed once), the old one expires")
+    a.add_argument("key_id")
+    a.add_argument(
+        "--grace-seconds",
+        type=int,
+        default=0,
+        help="how long the old key goes on working (default 0: it stops now)",
+    )
+    a.add_argument("--expires-in-days", type=int, help="the new key's lifetime (default: the old key's)")
     a = actions.add_parser("revoke", help="revoke a key")
     a.add_argument("key_id")
     p.set_defaults(func=keys)

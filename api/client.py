@@ -119,6 +119,16 @@ class Client:
             body["expires_in_days"] = expires_in_days
         return self._request("POST", "/admin/keys", json=body)
 
+    def rotate_key(
+        self, key_id: str, grace_seconds: int = 0, expires_in_days: int | None = None
+    ) -> dict[str, Any]:
+        """A new key for the old one's tenant and name (shown once, in `key`); the old one stops working
+        after `grace_seconds`."""
+        body: dict[str, Any] = {"grace_seconds": grace_seconds}
+        if expires_in_days is not None:
+            body["expires_in_days"] = expires_in_days
+        return self._request("POST", f"/admin/keys/{key_id}/rotate", json=body)
+
     def list_keys(self) -> dict[str, Any]:
         return self._request("GET", "/admin/keys")
 

@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text, update
 from sqlalchemy.exc import OperationalError
-from sqlmodel import Session, col
+from sqlmodel import Session, col, select
 
 from api.auth import COOKIE_NAME, Authenticator, SharedBuckets
 from api.main import create_app
@@ -435,3 +435,74 @@ def test_keys_record_when_they_were_last_used(make_settings: Callable[..., Setti
         last_seen = datetime.fromisoformat(listed[idle_id]["last_used_at"])
         client.get("/jobs", headers=bearer(idle))
     assert as_utc(stored_key(client, idle_id).last_used_at) > last_seen  # type: ignore[operator]
+
+
+def test_keys_rotate(auth_client: TestClient) -> None:
+    admin = bearer(ADMIN)
+    created = auth_client.post(
+        "/admin/keys", json={"tenant": "alpha", "name": "ci", "expires_in_days": 30}, headers=admin
+    ).json()
+    old_key, old_id = created["key"], created["id"]
+    assert auth_client.get("/jobs", headers=bearer(old_key)).status_code == 200
+
+    # With a grace: both keys work until it ends, then only the new one.
+    before = datetime.now(UTC)
+    rotated = auth_client.post(f"/admin/keys/{old_id}/rotate", json={"grace_seconds": 1}, headers=admin)
+    assert rotated.status_code == 201, rotated.text
+    new = rotated.json()
+    assert (new["tenant"], new["name"]) == ("alpha", "ci") and new["id"] != old_id
+    assert new["key"].startswith(new["prefix"] + "_") and new["key"] != old_key
+    expires = datetime.fromisoformat(new["expires_at"])  # the old key's lifetime, 30 days
+    assert before + timedelta(days=30) <= expires <= datetime.now(UTC) + timedelta(days=30)
+    old_stops = datetime.fromisoformat(new["replaces"]["expires_at"])
+    assert new["replaces"]["id"] == old_id
+    assert before + timedelta(seconds=1) <= old_stops <= datetime.now(UTC) + timedelta(seconds=1)
+    assert auth_client.get("/jobs", headers=bearer(old_key)).status_code == 200
+    assert auth_client.get("/jobs", headers=bearer(new["key"])).status_code == 200
+    time.sleep(max(0.0, (old_stops - datetime.now(UTC)).total_seconds()) + 0.05)
+    assert auth_client.get("/jobs", headers=bearer(old_key)).json()["error"]["code"] == "api_key_expired"
+    assert auth_client.get("/jobs", headers=bearer(new["key"])).status_code == 200
+
+    # Without one (the default), the old key stops at once, though this process had it cached.
+    newer = auth_client.post(f"/admin/keys/{new['id']}/rotate", headers=admin).json()
+    assert auth_client.get("/jobs", headers=bearer(new["key"])).json()["error"]["code"] == "api_key_expired"
+    assert auth_client.get("/jobs", headers=bearer(newer["key"])).status_code == 200
+    # An old key that expires sooner than the grace keeps its expiry; a lifetime may be asked for.
+    grace = auth_client.post(
+        f"/admin/keys/{old_id}/rotate", json={"grace_seconds": 3600, "expires_in_days": 2}, headers=admin
+    ).json()
+    assert grace["replaces"]["expires_at"] == new["replaces"]["expires_at"]
+    assert datetime.fromisoformat(grace["expires_at"]) <= datetime.now(UTC) + timedelta(days=2)
+    listed = auth_client.get("/admin/keys", headers=admin).json()["data"]
+    assert [(k["tenant"], k["name"]) for k in listed] == [("alpha", "ci")] * 4
+
+    # What cannot be rotated, and who may not.
+    auth_client.delete(f"/admin/keys/{newer['id']}", headers=admin)
+    revoked = auth_client.post(f"/admin/keys/{newer['id']}/rotate", headers=admin)
+    assert revoked.status_code == 409 and revoked.json()["error"]["code"] == "key_revoked"
+    assert auth_client.post("/admin/keys/key_nope/rotate", headers=admin).status_code == 404
+    refused = auth_client.post(f"/admin/keys/{grace['id']}/rotate", headers=bearer(grace["key"]))
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_only"
+    for body in ({"grace_seconds": -1}, {"grace_seconds": 30 * 86_400 + 1}, {"expires_in_days": 0}):
+        bad = auth_client.post(f"/admin/keys/{grace['id']}/rotate", json=body, headers=admin)
+        assert bad.status_code == 422, bad.text
+
+
+def test_a_rotated_key_keeps_within_the_servers_lifetime(make_settings: Callable[..., Settings]) -> None:
+    app = create_app(
+        make_settings(dispatcher_enabled=False, admin_key=ADMIN, rate_limit_per_second=0, key_max_days=7)
+    )
+    with TestClient(app) as client:
+        # A key made before the server capped lifetimes (it never expires) gets the most, not forever.
+        with Session(app.state.engine) as session:
+            client.post("/admin/keys", json={"tenant": "a", "name": "old"}, headers=bearer(ADMIN))
+            row = session.exec(select(ApiKey)).one()
+        set_key_times(client, row.id, expires_at=None)
+        before = datetime.now(UTC)
+        rotated = client.post(f"/admin/keys/{row.id}/rotate", headers=bearer(ADMIN)).json()
+        expires = datetime.fromisoformat(rotated["expires_at"])
+        assert before + timedelta(days=7) <= expires <= datetime.now(UTC) + timedelta(days=7)
+        longer = client.post(
+            f"/admin/keys/{rotated['id']}/rotate", json={"expires_in_days": 8}, headers=bearer(ADMIN)
+        )
+        assert longer.status_code == 422 and longer.json()["error"]["code"] == "key_lifetime_too_long"

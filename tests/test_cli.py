@@ -161,6 +161,13 @@ def test_keys_commands(live_api, capsys) -> None:  # type: ignore[no-untyped-def
     code, out, _ = run(api, capsys, "--api-key", "the-admin-key-123", "keys", "list")
     line = next(line for line in out.splitlines() if "month" in line)
     assert f"expires {expiry}" in line and "never" in line
+    month_id = line.split()[0]
+    code, out, _ = run(api, capsys, "--api-key", "the-admin-key-123", "keys", "rotate", month_id)
+    assert code == 0 and f"{month_id} stops working at" in out.splitlines()[0]
+    assert f"expires {expiry}" in out.splitlines()[0]  # (the old key's lifetime)
+    rotated = out.splitlines()[-1]
+    assert rotated.startswith("tpt_")
+    assert run(api, capsys, "--api-key", rotated, "list")[0] == 0
     run(api, capsys, "--api-key", "the-admin-key-123", "keys", "revoke", key_id)
     code, _, err = run(api, capsys, "--api-key", key, "list")
     assert code == 3 and "(invalid_api_key)" in err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from datetime import datetime, timedelta
 from typing import Annotated
 
@@ -79,11 +80,31 @@ _admin_errors: dict[int | str, dict] = {
 }
 
 
-@router.post(
-    "/admin/keys", status_code=201, response_model=KeyCreated, responses=_admin_errors, summary="Create a key"
-)
-def create_key(body: KeyCreate, session: SessionDep, settings: SettingsDep, _admin: AdminDep) -> Response:
-    days, most = body.expires_in_days, settings.key_max_days
+class KeyRotate(BaseModel):
+    grace_seconds: int = Field(
+        default=0,
+        ge=0,
+        le=30 * 86_400,
+        description="How long the old key goes on working beside the new one (time to hand the new one "
+        "out); 0: it stops now.",
+    )
+    expires_in_days: int | None = Field(
+        default=None,
+        ge=1,
+        le=36_500,
+        description="The new key's lifetime. Default: the old key's, or as for a key created now.",
+    )
+
+    model_config = {"json_schema_extra": {"examples": [{"grace_seconds": 3600}]}}
+
+
+class KeyRotated(KeyCreated):
+    replaces: KeyPublic = Field(description="The old key: it stops working at its `expires_at`.")
+
+
+def _lifetime(days: int | None, most: int | None) -> int | None:
+    """The days a new key lives: `days` asked for (more than the server's most is refused), else the
+    server's most (None: until revoked)."""
     if most is not None and days is not None and days > most:
         raise ApiError(
             422,
@@ -92,21 +113,88 @@ def create_key(body: KeyCreate, session: SessionDep, settings: SettingsDep, _adm
             f"ask for expires_in_days of at most {most}.",
             param="expires_in_days",
         )
-    days = days or most
+    return days or most
+
+
+def _new_key(tenant: str, name: str, days: int | None) -> tuple[ApiKey, str]:
+    """A new key's row, and its secret (shown once)."""
     key_id, prefix, plaintext, digest = new_api_key()
     now = utcnow()
+    expires_at = now + timedelta(days=days) if days is not None else None
     row = ApiKey(
         id=key_id,
-        tenant=body.tenant,
-        name=body.name,
+        tenant=tenant,
+        name=name,
         prefix=prefix,
         key_hash=digest,
         created_at=now,
-        expires_at=now + timedelta(days=days) if days is not None else None,
+        expires_at=expires_at,
     )
+    return row, plaintext
+
+
+@router.post(
+    "/admin/keys", status_code=201, response_model=KeyCreated, responses=_admin_errors, summary="Create a key"
+)
+def create_key(body: KeyCreate, session: SessionDep, settings: SettingsDep, _admin: AdminDep) -> Response:
+    row, plaintext = _new_key(body.tenant, body.name, _lifetime(body.expires_in_days, settings.key_max_days))
     session.add(row)
     session.commit()
     return json_response(KeyCreated(**KeyPublic.of(row).model_dump(), key=plaintext), 201)
+
+
+@router.post(
+    "/admin/keys/{key_id}/rotate",
+    status_code=201,
+    response_model=KeyRotated,
+    responses={
+        **_admin_errors,
+        404: {"model": ErrorResponse, "description": "No such key."},
+        409: {"model": ErrorResponse, "description": "The key was revoked."},
+    },
+    summary="Rotate a key: a new one for the same tenant and name; the old one expires",
+)
+def rotate_key(
+    key_id: str,
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    _admin: AdminDep,
+    body: Annotated[KeyRotate | None, Body()] = None,
+) -> Response:
+    """The old key stops working after `grace_seconds` (at once: 0), or at its own expiry if sooner; the
+    new key lives as long as the old one was made to (or `expires_in_days`). Nothing else changes: the
+    tenant's jobs are the tenant's, whichever key made them."""
+    body = body or KeyRotate()
+    old = session.get(ApiKey, key_id)
+    if old is None:
+        raise ApiError(
+            404, "key_not_found", f"No API key with id '{key_id}'; list them with GET /admin/keys."
+        )
+    if old.revoked_at is not None:
+        raise ApiError(
+            409, "key_revoked", f"Key {key_id} was revoked; create a new one with POST /admin/keys."
+        )
+    days = body.expires_in_days
+    created, expires = as_utc(old.created_at), as_utc(old.expires_at)
+    if days is None and created is not None and expires is not None:  # the old key's, in whole days
+        days = max(1, math.ceil((expires - created).total_seconds() / 86_400))
+        days = min(days, settings.key_max_days or days)
+    row, plaintext = _new_key(old.tenant, old.name, _lifetime(days, settings.key_max_days))
+    stops = row.created_at + timedelta(seconds=body.grace_seconds)
+    old.expires_at = stops if expires is None else min(expires, stops)
+    session.add_all([row, old])
+    session.commit()
+    # Every process of the server forgets its key cache and rechecks its streams' keys; with no grace the
+    # old key's streams end now. (Other replicas: their caches hold it for at most 5 s, its streams there
+    # end at their recheck, TPUTUNE_STREAM_RECHECK_SECONDS.)
+    request.app.state.auth.forget()
+    if body.grace_seconds == 0:
+        request.app.state.streams.revoke({old.id})
+    else:
+        request.app.state.streams.revoked()
+    new = KeyPublic.of(row).model_dump()
+    return json_response(KeyRotated(**new, key=plaintext, replaces=KeyPublic.of(old)), 201)
 
 
 @router.get("/admin/keys", response_model=KeyList, responses=_admin_errors, summary="List keys")
