@@ -41,6 +41,7 @@ class Principal:
     tenant: str  # the tenant its jobs are created in
     key_id: str  # "admin", "anonymous" or the API key's id
     is_admin: bool = False
+    expires: str | None = None  # an API key's expiry, as the X-Tputune-Key-Expires header says it
 
     @property
     def scope(self) -> str | None:
@@ -76,8 +77,16 @@ def unauthorized(message: str, code: str = "invalid_api_key") -> ApiError:
 
 
 def expired(expires: float) -> ApiError:
-    when = datetime.fromtimestamp(expires, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    return unauthorized(f"This API key expired at {when}; ask your admin for a new one.", "api_key_expired")
+    return unauthorized(
+        f"This API key expired at {_when(expires)}; ask your admin for a new one.", "api_key_expired"
+    )
+
+
+def _when(expires: float) -> str | None:
+    """A Unix time as `2026-12-05 06:32:00 UTC` (None for inf: never)."""
+    if expires == float("inf"):
+        return None
+    return datetime.fromtimestamp(expires, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _expiry(expires_at: datetime | None) -> float:
@@ -111,8 +120,10 @@ class Authenticator:
         now = time.monotonic()
         with Session(self.engine) as session:
             row = session.exec(select(ApiKey).where(ApiKey.key_hash == digest)).first()
-        principal = Principal(tenant=row.tenant, key_id=row.id) if row and row.revoked_at is None else None
         expires = _expiry(row.expires_at) if row is not None else float("inf")
+        principal = None
+        if row is not None and row.revoked_at is None:
+            principal = Principal(tenant=row.tenant, key_id=row.id, expires=_when(expires))
         admitted = self._admit(digest, (now, principal, expires))
         assert admitted is not None  # (looked up: a Principal or an ApiError)
         return admitted

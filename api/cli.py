@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -430,7 +431,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        with warnings.catch_warnings():
+            warnings.showwarning = _warn  # (a line of its own, not the source line that warned)
+            return int(args.func(args))
     except ApiError as exc:
         print(f"error: {exc.message} ({exc.code})", file=sys.stderr)
         return 3
@@ -443,6 +446,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _warn(message: Warning | str, *_where: object, **_how: object) -> None:
+    print(f"warning: {message}", file=sys.stderr)
 
 
 def _settings_error(exc: Exception) -> bool:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -35,14 +37,44 @@ class ApiError(Exception):
         return f"{self.message} ({self.code})"
 
 
+class KeyExpiresSoon(UserWarning):
+    """The API key this client sends expires within `Client.EXPIRY_WARNING` (the server says when in every
+    answer: X-Tputune-Key-Expires)."""
+
+
 class Client:
+    EXPIRY_WARNING = timedelta(days=7)
+
     def __init__(
         self, base_url: str | None = None, api_key: str | None = None, timeout: float = 30.0
     ) -> None:
         self.base_url = (base_url or os.environ.get("TPUTUNE_API_URL") or DEFAULT_URL).rstrip("/")
         key = api_key or os.environ.get("TPUTUNE_API_KEY")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        self.key_expires_at: datetime | None = None  # the key's expiry, once an answer has said it
+        self._http = httpx.Client(
+            base_url=self.base_url, headers=headers, timeout=timeout, event_hooks={"response": [self._expiry]}
+        )
+
+    def _expiry(self, response: httpx.Response) -> None:
+        """Note the key's expiry, and warn once when it is near (a key that expired gets 401 instead)."""
+        said = response.headers.get("x-tputune-key-expires")
+        if not said:
+            return
+        try:
+            expires = datetime.strptime(said, "%Y-%m-%d %H:%M:%S UTC").replace(tzinfo=UTC)
+        except ValueError:
+            return
+        first = self.key_expires_at is None
+        self.key_expires_at = expires
+        left = expires - datetime.now(UTC)
+        if first and left < self.EXPIRY_WARNING:
+            hours = max(0, int(left.total_seconds() // 3600))
+            when = f"in {hours // 24} days" if hours >= 48 else f"in {hours} hours"
+            warnings.warn(
+                KeyExpiresSoon(f"this API key expires at {said} ({when}): ask your admin to rotate it"),
+                stacklevel=2,
+            )
 
     def close(self) -> None:
         self._http.close()

@@ -209,7 +209,11 @@ class RequestContext:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                headers = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                caller = (scope.get("state") or {}).get(CALLER)
+                if caller is not None and caller.expires is not None:  # (clients warn before it comes)
+                    headers.append((b"x-tputune-key-expires", caller.expires.encode()))
+                message["headers"] = headers
             await send(message)
 
         try:

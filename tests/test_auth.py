@@ -64,6 +64,8 @@ def test_job_routes_need_a_key(auth_client: TestClient, dataset: Path) -> None:
     ]:
         response = auth_client.request(method, path, json=job(dataset) if method == "post" else None)
         assert response.status_code == 401, path
+        if method == "post":  # (an invalid body too: the key is checked first)
+            assert auth_client.post(path, json={"name": 1}).status_code == 401, path
         assert response.json()["error"]["code"] == "invalid_api_key"
         assert response.headers["www-authenticate"] == "Bearer"
     assert auth_client.get("/jobs", headers=bearer("tpt_wrong_key")).status_code == 401
@@ -335,6 +337,16 @@ def test_keys_expire(auth_client: TestClient) -> None:
             "/admin/keys", json={"tenant": "a", "name": "n", "expires_in_days": days}, headers=bearer(ADMIN)
         )
         assert bad.status_code == 422 and bad.json()["error"]["param"] == "expires_in_days", bad.text
+
+    # Every answer to a key that expires says when (clients warn before it comes), direct routes too.
+    said = expires.strftime("%Y-%m-%d %H:%M:%S UTC")
+    refused = auth_client.post("/jobs", json={"name": "t", "model": "tiny", "dataset_uri": "/nowhere"},
+                               headers=bearer(key))  # fmt: skip
+    assert refused.status_code == 422 and refused.headers["x-tputune-key-expires"] == said  # (any answer)
+    for path in ("/jobs", "/jobs/ft-nope", "/jobs/ft-nope/events"):
+        assert auth_client.get(path, headers=bearer(key)).headers["x-tputune-key-expires"] == said, path
+    assert "x-tputune-key-expires" not in auth_client.get("/jobs", headers=bearer(forever)).headers
+    assert "x-tputune-key-expires" not in auth_client.get("/jobs", headers=bearer(ADMIN)).headers
 
     # A key that expires while its lookup is cached (5 s) is refused at once, with a message that says so.
     set_key_times(auth_client, key_id, expires_at=datetime.now(UTC) + timedelta(seconds=1))

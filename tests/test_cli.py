@@ -167,7 +167,17 @@ def test_keys_commands(live_api, capsys) -> None:  # type: ignore[no-untyped-def
     assert f"expires {expiry}" in out.splitlines()[0]  # (the old key's lifetime)
     rotated = out.splitlines()[-1]
     assert rotated.startswith("tpt_")
-    assert run(api, capsys, "--api-key", rotated, "list")[0] == 0
+    code, _, err = run(api, capsys, "--api-key", rotated, "list")
+    assert code == 0 and "warning" not in err  # (30 days left)
+    # A key that expires within a week: every command warns, once.
+    code, out, _ = run(
+        api, capsys, "--api-key", "the-admin-key-123", "keys", "create", "--tenant", "t1", "--name", "soon",
+        "--expires-in-days", "3",
+    )  # fmt: skip
+    soon = out.splitlines()[-1]
+    code, _, err = run(api, capsys, "--api-key", soon, "list")
+    assert code == 0 and err.count("warning:") == 1, err
+    assert "warning: this API key expires at " in err and "(in 2 days): ask your admin to rotate it" in err
     run(api, capsys, "--api-key", "the-admin-key-123", "keys", "revoke", key_id)
     code, _, err = run(api, capsys, "--api-key", key, "list")
     assert code == 3 and "(invalid_api_key)" in err
