@@ -6,9 +6,10 @@ Every `usage_sync_seconds` (on a thread of `tputune serve`: api.server), each se
   follows now: its rows of `key_usage` (api.models.KeyUsage), and a heartbeat every HEARTBEAT_SECONDS;
 - reads the other replicas' rows, takes what they spent since its last pass from its own buckets
   (`Buckets.charge`), and counts their streams to each key's share (`Streams.set_remote`);
-- counts the revoked keys, and when the count moves, has its processes forget their key cache and recheck
-  their streams' keys (`Streams.revoked`): a key revoked in another replica is refused here within about
-  a pass, not after the key cache's 5 s and the streams' recheck.
+- counts the revoked keys (and those past their expiry: rotated, or expired), and when the count moves,
+  has its processes forget their key cache and recheck their streams' keys (`Streams.revoked`): a key
+  revoked in another replica is refused here within about a pass, not after the key cache's 5 s, and its
+  streams end then, not at the streams' recheck.
 
 So a key's rate is its limit in all (not one limit per replica), within what the replicas spend in one
 pass before they see each other's spending; and its streams' share is exact within a pass. A replica that
@@ -30,12 +31,13 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol, cast
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from sqlalchemy import Float, Table, delete, extract, func, select
+from sqlalchemy import Float, Table, delete, extract, func, or_, select
 from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
@@ -212,12 +214,17 @@ class UsageSync:
     def _exchange(
         self, changed: list[dict[str, object]], now: float
     ) -> tuple[list[tuple[str, int, float, float, int]], dict[str, float], list[int], int]:
-        """One transaction: the revoked keys counted; our changed rows written, and idle ones deleted; the
-        other replicas' rows read, with how old their heartbeats are (those of replicas long dead deleted)."""
+        """One transaction: the revoked and expired keys counted (a key rotated, or past its expiry: the
+        same as a revoked one for the caches and streams); our changed rows written, and idle ones deleted;
+        the other replicas' rows read, with how old their heartbeats are (those of replicas long dead
+        deleted)."""
         with self.engine.begin() as connection:
-            # (the database's clock: the replicas' own may disagree)
+            unusable = or_(
+                KEYS.c.revoked_at.is_not(None), KEYS.c.expires_at <= datetime.fromtimestamp(now, UTC)
+            )
+            # (and the database's clock, for the heartbeats: the replicas' own may disagree)
             revoked, clock = connection.execute(
-                select(func.count(), self._clock).select_from(KEYS).where(KEYS.c.revoked_at.is_not(None))
+                select(func.count(), self._clock).select_from(KEYS).where(unusable)
             ).one()
             clock = float(clock)
             for row in changed:

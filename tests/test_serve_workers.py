@@ -13,6 +13,7 @@ test_dispatch_process.py, which runs each test with one and two workers.)
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -32,6 +33,7 @@ from sqlalchemy import create_engine
 from sqlmodel import Session
 
 from api.models import ApiKey, as_utc
+from api.routes.jobs import KEY_REVOKED
 from api.server import REUSE_PORT
 from tests.conftest import kill_runs
 from tests.support.serve import Server, alive, api_workers, dispatchers, wait_for
@@ -269,6 +271,46 @@ def test_every_worker_records_its_keys_last_use_when_the_server_stops(tmp_path: 
     engine.dispose()
     assert used is not None and unused is not None and unused.last_used_at is None
     assert before <= as_utc(used.last_used_at) <= after  # type: ignore[operator]
+
+
+def test_a_rotated_keys_streams_end_when_its_grace_does(tmp_path: Path, dataset: Path) -> None:
+    """The usage pass counts expired keys with the revoked ones: the streams of a key rotated with a grace
+    end, in every worker, about when the grace does, not at their recheck (60 s here)."""
+    env = {"TPUTUNE_ADMIN_KEY": ADMIN, "TPUTUNE_STREAM_RECHECK_SECONDS": "60"}
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(Server(tmp_path, dataset, workers=2, **env))
+        stack.callback(kill_runs, server.data_dir / "jobs")
+        key_id, auth = make_key(server)
+        job_id = slow_job(server, dataset, auth)
+        lines = []
+        for _ in range(40):  # (streams on both workers)
+            if all(sockets_on(server.port, "01").get(pid, 0) >= 1 for pid in workers(server)):
+                break
+            response = follow(stack, server, job_id, auth)
+            lines.append(response.iter_lines())
+            assert next(lines[-1]).startswith("id: ")
+        ended: dict[int, float] = {}
+
+        def read(index: int) -> None:
+            if any(line == "data: " + json.dumps(KEY_REVOKED) for line in lines[index]):
+                ended[index] = time.monotonic()
+
+        readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(lines))]
+        for reader in readers:
+            reader.start()
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        rotated = httpx.post(
+            f"{server.url}/admin/keys/{key_id}/rotate", json={"grace_seconds": 2}, headers=admin
+        )
+        assert rotated.status_code == 201, rotated.text
+        grace_ends = time.monotonic() + 2
+        for reader in readers:
+            reader.join(timeout=15)
+        print("ended after the grace, s:", sorted(round(t - grace_ends, 2) for t in ended.values()))
+        assert sorted(ended) == list(range(len(lines))), ended
+        assert grace_ends - 0.5 <= min(ended.values()) and max(ended.values()) <= grace_ends + 4, [
+            t - grace_ends for t in ended.values()
+        ]
 
 
 def test_workers_and_dispatcher_die_with_a_killed_supervisor(two_workers: Server) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -249,6 +250,24 @@ def test_a_key_revoked_elsewhere_has_this_replica_look(replicas: list[Replica], 
     assert b.streams.revocations() == seen + 1
     sync(b)
     assert b.streams.revocations() == seen + 1
+    # A key that expires (as a rotated one does) counts as one revoked, when it expires.
+    with Session(engine) as session:
+        session.add(
+            ApiKey(
+                id="key_2",
+                tenant="t",
+                name="n",
+                prefix="tpt_2",
+                key_hash=hash_key("k2"),
+                expires_at=utcnow() + timedelta(seconds=0.5),
+            )
+        )
+        session.commit()
+    sync(b)
+    assert b.streams.revocations() == seen + 1
+    time.sleep(0.6)
+    sync(b)
+    assert b.streams.revocations() == seen + 2
 
 
 def test_the_last_pass_and_the_replicas_seen_are_figures_for_metrics(
