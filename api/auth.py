@@ -123,7 +123,9 @@ class Authenticator:
         expires = _expiry(row.expires_at) if row is not None else float("inf")
         principal = None
         if row is not None and row.revoked_at is None:
-            principal = Principal(tenant=row.tenant, key_id=row.id, expires=_when(expires))
+            principal = Principal(
+                tenant=row.tenant, key_id=row.id, is_admin=row.admin, expires=_when(expires)
+            )
         admitted = self._admit(digest, (now, principal, expires))
         assert admitted is not None  # (looked up: a Principal or an ApiError)
         return admitted

@@ -280,12 +280,15 @@ def _when(stamp: str) -> str:
 def keys(args: argparse.Namespace) -> int:
     with _client(args) as client:
         if args.action == "create":
-            key = client.create_key(args.tenant, args.name, args.expires_in_days)
+            key = client.create_key(args.tenant, args.name, args.expires_in_days, args.admin)
             expiry = f", expires {_when(key['expires_at'])}" if key["expires_at"] else ""
-            print(f"created {key['id']} for tenant {key['tenant']}{expiry}; the key is shown only now:")
+            role = "an admin key " if key["admin"] else ""
+            print(f"created {role}{key['id']} for tenant {key['tenant']}{expiry}; the key is shown only now:")
             print(key["key"])
         elif args.action == "list":
-            print(f"{'ID':<16} {'PREFIX':<16} {'TENANT':<16} {'STATE':<28} {'LAST USED':<18} NAME")
+            print(
+                f"{'ID':<16} {'PREFIX':<16} {'TENANT':<16} {'ROLE':<7} {'STATE':<28} {'LAST USED':<18} NAME"
+            )
             now = datetime.now(UTC)
             for key in client.list_keys()["data"]:
                 if key["revoked_at"]:
@@ -297,9 +300,10 @@ def keys(args: argparse.Namespace) -> int:
                 else:
                     state = "active"
                 used = _when(key["last_used_at"]) if key["last_used_at"] else "never"
+                role = "admin" if key["admin"] else "member"
                 print(
-                    f"{key['id']:<16} {key['prefix']:<16} {key['tenant']:<16} {state:<28} {used:<18} "
-                    f"{key['name']}"
+                    f"{key['id']:<16} {key['prefix']:<16} {key['tenant']:<16} {role:<7} {state:<28} "
+                    f"{used:<18} {key['name']}"
                 )
         elif args.action == "rotate":
             key = client.rotate_key(args.key_id, args.grace_seconds, args.expires_in_days)
@@ -405,6 +409,9 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--name", required=True)
     a.add_argument(
         "--expires-in-days", type=int, help="the key stops working after this many days (default: never)"
+    )
+    a.add_argument(
+        "--admin", action="store_true", help="an admin key: manages keys, sees every tenant's jobs"
     )
     actions.add_parser("list", help="list keys")
     a = actions.add_parser("rotate", help="replace a key: a new one (printed once), the old one expires")

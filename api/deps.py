@@ -128,7 +128,11 @@ API_KEY_REQUIRED: dict[str, Any] = {"security": [{API_KEY_SCHEME: []}]}
 
 def _admin(principal: Principal) -> Principal:
     if not principal.is_admin:
-        raise ApiError(403, "admin_only", "Only the admin key may manage API keys.")
+        raise ApiError(
+            403,
+            "admin_only",
+            "Only an admin key (TPUTUNE_ADMIN_KEY, or one created as admin) may manage API keys.",
+        )
     return principal
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Column, DateTime, Index, Integer, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Column, DateTime, Index, Integer, UniqueConstraint, false
 from sqlmodel import Field, SQLModel
 
 from worker.config import JobSpec
@@ -150,6 +150,8 @@ class ApiKey(SQLModel, table=True):
     revoked_at: datetime | None = _ts()
     expires_at: datetime | None = _ts()
     last_used_at: datetime | None = _ts()
+    # An admin key: manages keys, and sees and acts on every tenant's jobs (as TPUTUNE_ADMIN_KEY does).
+    admin: bool = Field(default=False, sa_column_kwargs={"server_default": false()})
 
 
 # A job's spec never changes after it is created: validate it once per process, not on every read. A few

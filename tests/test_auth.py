@@ -518,3 +518,44 @@ def test_a_rotated_key_keeps_within_the_servers_lifetime(make_settings: Callable
             f"/admin/keys/{rotated['id']}/rotate", json={"expires_in_days": 8}, headers=bearer(ADMIN)
         )
         assert longer.status_code == 422 and longer.json()["error"]["code"] == "key_lifetime_too_long"
+
+
+def test_admin_keys(auth_client: TestClient, dataset: Path) -> None:
+    """Each platform engineer gets an admin key of their own (revocable, named in the access log), and the
+    bootstrap TPUTUNE_ADMIN_KEY can stay in a vault."""
+    created = auth_client.post(
+        "/admin/keys", json={"tenant": "platform", "name": "alice", "admin": True}, headers=bearer(ADMIN)
+    )
+    assert created.status_code == 201 and created.json()["admin"] is True, created.text
+    alice, alice_id = created.json()["key"], created.json()["id"]
+    # It manages keys...
+    member = auth_client.post(
+        "/admin/keys", json={"tenant": "research", "name": "bob"}, headers=bearer(alice)
+    )
+    assert member.status_code == 201 and member.json()["admin"] is False
+    bob = member.json()["key"]
+    listed = auth_client.get("/admin/keys", headers=bearer(alice)).json()["data"]
+    assert [(k["name"], k["admin"]) for k in listed] == [("alice", True), ("bob", False)]
+    # ...and sees and acts on every tenant's jobs; its own are its tenant's.
+    bobs = auth_client.post("/jobs", json=job(dataset), headers=bearer(bob)).json()["id"]
+    own = auth_client.post("/jobs", json=job(dataset), headers=bearer(alice)).json()
+    assert own["tenant"] == "platform"
+    assert [j["id"] for j in auth_client.get("/jobs", headers=bearer(alice)).json()["data"]] == [
+        own["id"],
+        bobs,
+    ]
+    cancelled = auth_client.post(f"/jobs/{bobs}/cancel", headers=bearer(alice)).json()
+    assert cancelled["status_message"] == f"Cancelled by key {alice_id} before it started."
+    assert auth_client.get("/auth/session", cookies={COOKIE_NAME: alice}).json()["admin"] is True
+    # A member key is no admin: it may not make one either.
+    for path, body in [("/admin/keys", {"tenant": "research", "name": "x", "admin": True})]:
+        refused = auth_client.post(path, json=body, headers=bearer(bob))
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_only"
+    assert auth_client.get(f"/jobs/{own['id']}", headers=bearer(bob)).status_code == 404
+    # Rotated, the new key is an admin key too; revoked, it is nothing.
+    rotated = auth_client.post(f"/admin/keys/{alice_id}/rotate", headers=bearer(ADMIN)).json()
+    assert rotated["admin"] is True
+    assert auth_client.get("/admin/keys", headers=bearer(rotated["key"])).status_code == 200
+    assert auth_client.get("/admin/keys", headers=bearer(alice)).status_code == 401
+    auth_client.delete(f"/admin/keys/{rotated['id']}", headers=bearer(ADMIN))
+    assert auth_client.get("/admin/keys", headers=bearer(rotated["key"])).status_code == 401

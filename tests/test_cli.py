@@ -147,7 +147,15 @@ def test_keys_commands(live_api, capsys) -> None:  # type: ignore[no-untyped-def
     assert key.startswith("tpt_")
     code, out, _ = run(api, capsys, "--api-key", key, "list")
     assert code == 0
-    code, out, _ = run(api, capsys, "--api-key", "the-admin-key-123", "keys", "list")
+    code, out, _ = run(
+        api, capsys, "--api-key", "the-admin-key-123", "keys", "create", "--tenant", "ops", "--name", "alice",
+        "--admin",
+    )  # fmt: skip
+    assert code == 0 and out.startswith("created an admin key key_")
+    code, out, _ = run(api, capsys, "--api-key", out.splitlines()[-1], "keys", "list")  # (an admin key's)
+    assert code == 0 and "ROLE" in out.splitlines()[0]
+    roles = {line.split()[-1]: line.split()[3] for line in out.splitlines()[1:]}
+    assert roles == {"ci": "member", "alice": "admin"}
     assert key_id in out and "active" in out and key not in out
     assert "LAST USED" in out.splitlines()[0]
     used = next(line for line in out.splitlines() if key_id in line)

@@ -32,6 +32,12 @@ class KeyCreate(BaseModel):
         "`TPUTUNE_KEY_MAX_DAYS` where it sets one (then at most that).",
     )
 
+    admin: bool = Field(
+        default=False,
+        description="An admin key: it manages keys, and sees and acts on every tenant's jobs, as the "
+        "server's TPUTUNE_ADMIN_KEY does (which can then stay in a vault). Rate-limited like any key.",
+    )
+
     model_config = {
         "json_schema_extra": {
             "examples": [{"tenant": "research", "name": "ci pipeline", "expires_in_days": 90}]
@@ -44,6 +50,7 @@ class KeyPublic(BaseModel):
     tenant: str
     name: str
     prefix: str = Field(description="The key's visible start, to recognise it.")
+    admin: bool = Field(description="Whether it is an admin key.")
     created_at: datetime
     revoked_at: datetime | None
     expires_at: datetime | None = Field(description="When the key stops working; null: never.")
@@ -58,6 +65,7 @@ class KeyPublic(BaseModel):
             tenant=row.tenant,
             name=row.name,
             prefix=row.prefix,
+            admin=row.admin,
             created_at=as_utc(row.created_at),  # type: ignore[arg-type]
             revoked_at=as_utc(row.revoked_at),
             expires_at=as_utc(row.expires_at),
@@ -116,7 +124,7 @@ def _lifetime(days: int | None, most: int | None) -> int | None:
     return days or most
 
 
-def _new_key(tenant: str, name: str, days: int | None) -> tuple[ApiKey, str]:
+def _new_key(tenant: str, name: str, days: int | None, admin: bool) -> tuple[ApiKey, str]:
     """A new key's row, and its secret (shown once)."""
     key_id, prefix, plaintext, digest = new_api_key()
     now = utcnow()
@@ -129,6 +137,7 @@ def _new_key(tenant: str, name: str, days: int | None) -> tuple[ApiKey, str]:
         key_hash=digest,
         created_at=now,
         expires_at=expires_at,
+        admin=admin,
     )
     return row, plaintext
 
@@ -137,7 +146,8 @@ def _new_key(tenant: str, name: str, days: int | None) -> tuple[ApiKey, str]:
     "/admin/keys", status_code=201, response_model=KeyCreated, responses=_admin_errors, summary="Create a key"
 )
 def create_key(body: KeyCreate, session: SessionDep, settings: SettingsDep, _admin: AdminDep) -> Response:
-    row, plaintext = _new_key(body.tenant, body.name, _lifetime(body.expires_in_days, settings.key_max_days))
+    days = _lifetime(body.expires_in_days, settings.key_max_days)
+    row, plaintext = _new_key(body.tenant, body.name, days, body.admin)
     session.add(row)
     session.commit()
     return json_response(KeyCreated(**KeyPublic.of(row).model_dump(), key=plaintext), 201)
@@ -180,7 +190,7 @@ def rotate_key(
     if days is None and created is not None and expires is not None:  # the old key's, in whole days
         days = max(1, math.ceil((expires - created).total_seconds() / 86_400))
         days = min(days, settings.key_max_days or days)
-    row, plaintext = _new_key(old.tenant, old.name, _lifetime(days, settings.key_max_days))
+    row, plaintext = _new_key(old.tenant, old.name, _lifetime(days, settings.key_max_days), old.admin)
     stops = row.created_at + timedelta(seconds=body.grace_seconds)
     old.expires_at = stops if expires is None else min(expires, stops)
     session.add_all([row, old])

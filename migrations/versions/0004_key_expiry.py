@@ -1,4 +1,4 @@
-"""api keys: an expiry, and when each was last used
+"""api keys: an expiry, when each was last used, and admin keys
 
 Revision ID: 0004
 Revises: 0003
@@ -20,9 +20,11 @@ def upgrade() -> None:
     with op.batch_alter_table("api_keys", schema=None) as batch_op:
         batch_op.add_column(sa.Column("expires_at", sa.DateTime(timezone=True), nullable=True))
         batch_op.add_column(sa.Column("last_used_at", sa.DateTime(timezone=True), nullable=True))
+        batch_op.add_column(sa.Column("admin", sa.Boolean(), server_default=sa.false(), nullable=False))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("api_keys", schema=None) as batch_op:
+        batch_op.drop_column("admin")
         batch_op.drop_column("last_used_at")
         batch_op.drop_column("expires_at")
