@@ -714,6 +714,16 @@ def request_cancel(session: Session, tenant: str | None, job_id: str, by: str | 
 # --- worker reports --------------------------------------------------------------------------------
 
 
+def invalid_job_token() -> ApiError:
+    return ApiError(
+        401,
+        "invalid_job_token",
+        "The job token is missing or does not belong to this job; workers send "
+        "'Authorization: Bearer $TPUTUNE_JOB_TOKEN'.",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
 def authenticate_worker(session: Session, job_id: str, token: str | None) -> Job:
     job = session.exec(select(Job).where(Job.id == job_id)).first()
     # Same answer for an unknown job and a wrong token: a token holder learns nothing about other jobs.
@@ -723,13 +733,7 @@ def authenticate_worker(session: Session, job_id: str, token: str | None) -> Job
         or not job.token_hash
         or not hmac.compare_digest(job.token_hash, hash_token(token))
     ):
-        raise ApiError(
-            401,
-            "invalid_job_token",
-            "The job token is missing or does not belong to this job; workers send "
-            "'Authorization: Bearer $TPUTUNE_JOB_TOKEN'.",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+        raise invalid_job_token()
     return job
 
 

@@ -231,6 +231,10 @@ def test_worker_token_cannot_read_or_cancel(auth_client: TestClient, dataset: Pa
     for method, path in [("get", f"/jobs/{job_id}"), ("post", f"/jobs/{job_id}/cancel"), ("get", "/jobs")]:
         assert auth_client.request(method, path, headers=bearer(token)).status_code == 401
     assert post(auth_client, job_id, token, [{"kind": "metrics", "step": 1, "loss": 1.0}]).status_code == 200
+    # Without a token, the body is not looked at: 401, not a 422 about it.
+    for headers in ({}, {"Authorization": "Basic eDp5"}):
+        refused = auth_client.post(f"/jobs/{job_id}/progress", json={"reports": "x"}, headers=headers)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_job_token"
     # ...and an API key is no worker token.
     assert post(auth_client, job_id, key, [{"kind": "metrics", "step": 2, "loss": 1.0}]).status_code == 401
 

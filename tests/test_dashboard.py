@@ -11,6 +11,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -466,6 +467,34 @@ def test_the_admin_sees_whose_each_job_is_and_a_tenant_only_its_own(
     expect(page.locator("#session")).to_have_text("Signed in to tenant alpha. Sign out")
     expect(rows := page.locator("#jobs tbody tr")).to_have_count(1)
     expect(rows.first.locator("small")).to_have_text(ids["alpha"])  # (one tenant: no need to say whose)
+
+
+def test_a_key_that_expires_within_a_week_is_pointed_out(
+    live_api: Callable[..., LiveApi], open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    api = live_api(dispatcher_enabled=False, admin_key=ADMIN)
+    keys = {}
+    with api.client() as http:
+        for days in (3, 30):
+            body = {"tenant": "alpha", "name": f"{days} days", "expires_in_days": days}
+            created = http.post("/admin/keys", json=body, headers={"Authorization": f"Bearer {ADMIN}"})
+            keys[days] = created.json()
+
+    def signed_in(key: str) -> Page:
+        page = open_tab(api, "/ui/").page
+        page.get_by_label("API key").fill(key)
+        page.get_by_role("button", name="Sign in").click()
+        expect(page.locator("#empty")).to_be_visible()
+        return page
+
+    page = signed_in(keys[3]["key"])
+    said = datetime.fromisoformat(keys[3]["expires_at"]).strftime("%Y-%m-%d %H:%M:%S UTC")
+    expect(page.locator("#key-expiry")).to_have_text(
+        f"This API key expires at {said} (in 2 days): ask your admin to rotate it."
+    )
+    page = signed_in(keys[30]["key"])
+    expect(page.locator("#session")).to_be_visible()
+    expect(page.locator("#key-expiry")).to_have_count(0)
 
 
 def test_a_refused_stream_is_followed_again(

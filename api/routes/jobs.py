@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import anyio
 from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 from pydantic import BaseModel
 
 from api import jobs as service
@@ -47,7 +47,20 @@ from worker.config import MAX_METADATA_PAIRS
 from worker.protocol import MAX_STEP, ProgressAck, ProgressBatch
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], responses=error_responses(401, 413, 422, 429, 503))
-_job_token = HTTPBearer(
+
+
+class _JobToken(HTTPBearer):
+    """The worker's token, as the `JobToken` security scheme: a request without one is refused before its
+    body is read (401, not a 422 about the body); whether it is the job's, the route asks the database."""
+
+    async def __call__(self, request: Request) -> str:  # type: ignore[override]
+        credentials = await super().__call__(request)
+        if credentials is None:
+            raise service.invalid_job_token()
+        return credentials.credentials
+
+
+_job_token = _JobToken(
     scheme_name="JobToken", description="The worker's per-job token ($TPUTUNE_JOB_TOKEN).", auto_error=False
 )
 
@@ -485,11 +498,11 @@ def post_progress(
     batch: Annotated[ProgressBatch, Body(openapi_examples={"reports": {"value": _PROGRESS_EXAMPLE}})],
     request: Request,
     session: SessionDep,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_job_token)],
+    token: Annotated[str, Depends(_job_token)],
 ) -> Response:
     """The worker's side of the contract is described in `worker/protocol.py`: batches of reports,
     stored once per (job, kind, step, key), so retrying a batch is safe."""
-    job = service.authenticate_worker(session, job_id, credentials.credentials if credentials else None)
+    job = service.authenticate_worker(session, job_id, token)
     ack = service.ingest_progress(session, job, batch)
     request.app.state.metrics.reports.inc(ack.accepted)
     return json_response(ack)

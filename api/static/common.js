@@ -12,10 +12,29 @@ export async function api(path, options = {}) {
   }
   const body = await response.json().catch(() => null);
   if (response.status === 401) askToSignIn();
+  warnIfKeyExpiresSoon(response.headers.get("x-tputune-key-expires"));
   if (!response.ok) {
     throw new Error(body?.error?.message ?? `The API answered ${response.status}.`);
   }
   return body;
+}
+
+// A key that expires within a week: a line in the page header says when, so that it is rotated in time.
+const EXPIRY_WARNING_MS = 7 * 24 * 3600 * 1000;
+
+function warnIfKeyExpiresSoon(said) {
+  const header = document.querySelector("header.top");
+  if (!said || !header || document.getElementById("key-expiry")) return;
+  const expires = Date.parse(said.replace(" UTC", "Z").replace(" ", "T"));
+  const left = expires - Date.now();
+  if (Number.isNaN(expires) || left >= EXPIRY_WARNING_MS) return;
+  const hours = Math.max(0, Math.floor(left / 3600000));
+  const when = hours >= 48 ? `${Math.floor(hours / 24)} days` : `${hours} hours`;
+  header.append(el("p", {
+    className: "key-expiry",
+    attrs: { id: "key-expiry", role: "status" },
+    text: `This API key expires at ${said} (in ${when}): ask your admin to rotate it.`,
+  }));
 }
 
 // With keys turned on, the browser signs in once: POST /auth/session stores the key in an HttpOnly cookie.
