@@ -290,7 +290,7 @@ def keys(args: argparse.Namespace) -> int:
                 f"{'ID':<16} {'PREFIX':<16} {'TENANT':<16} {'ROLE':<7} {'STATE':<28} {'LAST USED':<18} NAME"
             )
             now = datetime.now(UTC)
-            for key in client.list_keys()["data"]:
+            for key in client.list_keys(args.tenant)["data"]:
                 if key["revoked_at"]:
                     state = f"revoked {_when(key['revoked_at'])}"
                 elif key["expires_at"] and _time(key["expires_at"]) <= now:
@@ -413,7 +413,8 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument(
         "--admin", action="store_true", help="an admin key: manages keys, sees every tenant's jobs"
     )
-    actions.add_parser("list", help="list keys")
+    a = actions.add_parser("list", help="list keys")
+    a.add_argument("--tenant", help="only this tenant's")
     a = actions.add_parser("rotate", help="replace a key: a new one (printed once), the old one expires")
     a.add_argument("key_id")
     a.add_argument(

@@ -163,8 +163,8 @@ class Client:
             body["expires_in_days"] = expires_in_days
         return self._request("POST", f"/admin/keys/{key_id}/rotate", json=body)
 
-    def list_keys(self) -> dict[str, Any]:
-        return self._request("GET", "/admin/keys")
+    def list_keys(self, tenant: str | None = None) -> dict[str, Any]:
+        return self._request("GET", "/admin/keys", params={"tenant": tenant} if tenant else None)
 
     def revoke_key(self, key_id: str) -> dict[str, Any]:
         return self._request("DELETE", f"/admin/keys/{key_id}")

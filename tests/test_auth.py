@@ -540,6 +540,8 @@ def test_admin_keys(auth_client: TestClient, dataset: Path) -> None:
     bob = member.json()["key"]
     listed = auth_client.get("/admin/keys", headers=bearer(alice)).json()["data"]
     assert [(k["name"], k["admin"]) for k in listed] == [("alice", True), ("bob", False)]
+    research = auth_client.get("/admin/keys", params={"tenant": "research"}, headers=bearer(alice)).json()
+    assert [k["name"] for k in research["data"]] == ["bob"]
     # ...and sees and acts on every tenant's jobs; its own are its tenant's.
     bobs = auth_client.post("/jobs", json=job(dataset), headers=bearer(bob)).json()["id"]
     own = auth_client.post("/jobs", json=job(dataset), headers=bearer(alice)).json()

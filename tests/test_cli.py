@@ -160,6 +160,8 @@ def test_keys_commands(live_api, capsys) -> None:  # type: ignore[no-untyped-def
     assert "LAST USED" in out.splitlines()[0]
     used = next(line for line in out.splitlines() if key_id in line)
     assert time.strftime("%Y-%m-%d", time.gmtime()) in used and "never" not in used  # (its `list` above)
+    code, out, _ = run(api, capsys, "--api-key", "the-admin-key-123", "keys", "list", "--tenant", "ops")
+    assert [line.split()[-1] for line in out.splitlines()[1:]] == ["alice"]
     code, out, _ = run(
         api, capsys, "--api-key", "the-admin-key-123", "keys", "create", "--tenant", "t1", "--name", "month",
         "--expires-in-days", "30",

@@ -7,7 +7,7 @@ import math
 from datetime import datetime, timedelta
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Request, Response
+from fastapi import APIRouter, Body, Query, Request, Response
 from pydantic import BaseModel, Field
 from sqlmodel import col, select
 
@@ -208,10 +208,19 @@ def rotate_key(
 
 
 @router.get("/admin/keys", response_model=KeyList, responses=_admin_errors, summary="List keys")
-def list_keys(request: Request, session: SessionDep, _admin: AdminDep) -> Response:
+def list_keys(
+    request: Request,
+    session: SessionDep,
+    _admin: AdminDep,
+    tenant: Annotated[
+        str | None, Query(min_length=1, max_length=64, description="Only this tenant's.")
+    ] = None,
+) -> Response:
+    """Every key (oldest first), or one tenant's: none of them holds its secret."""
     with contextlib.suppress(Exception):  # (this process's latest uses; the next flush retries a failure)
         request.app.state.auth.flush_uses()
-    rows = session.exec(select(ApiKey).order_by(col(ApiKey.created_at))).all()
+    query = select(ApiKey).order_by(col(ApiKey.created_at))
+    rows = session.exec(query if tenant is None else query.where(ApiKey.tenant == tenant)).all()
     return json_response(KeyList(data=[KeyPublic.of(row) for row in rows]))
 
 
