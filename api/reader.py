@@ -39,6 +39,9 @@ from api.jobs import (
 
 
 class JobReader(Protocol):
+    """Reads of jobs and events on the event loop. `tenant`: the caller's; None for the admin keys, whose
+    reads see every tenant's jobs (api.auth.Principal.scope)."""
+
     async def read_job(self, tenant: str | None, job_id: str) -> Any | None:
         """The job as a row with `api.jobs.JOB_COLUMNS` as attributes, or None."""
 

@@ -31,7 +31,6 @@ class KeyCreate(BaseModel):
         description="The key stops working this many days from now. Default: never, or the server's "
         "`TPUTUNE_KEY_MAX_DAYS` where it sets one (then at most that).",
     )
-
     admin: bool = Field(
         default=False,
         description="An admin key: it manages keys, and sees and acts on every tenant's jobs, as the "
@@ -195,9 +194,9 @@ def rotate_key(
     old.expires_at = stops if expires is None else min(expires, stops)
     session.add_all([row, old])
     session.commit()
-    # Every process of the server forgets its key cache and rechecks its streams' keys; with no grace the
-    # old key's streams end now. (Other replicas: their caches hold it for at most 5 s, its streams there
-    # end at their recheck, TPUTUNE_STREAM_RECHECK_SECONDS.)
+    # Every process of the server forgets its key cache (the old key's new expiry holds at once) and
+    # rechecks its streams' keys; with no grace the old key's streams end now. (Other replicas: when it
+    # expires, their next usage pass counts it with the revoked keys, api.usage.)
     request.app.state.auth.forget()
     if body.grace_seconds == 0:
         request.app.state.streams.revoke({old.id})
@@ -267,7 +266,7 @@ class SessionState(BaseModel):
     auth_required: bool = Field(description="Whether this server needs an API key.")
     signed_in: bool = Field(description="Whether this browser's cookie holds a valid key.")
     tenant: str | None = Field(description="The signed-in key's tenant.")
-    admin: bool = Field(default=False, description="Whether it is the admin key (every tenant's jobs).")
+    admin: bool = Field(default=False, description="Whether it is an admin key (every tenant's jobs).")
 
 
 @router.get("/auth/session", response_model=SessionState, summary="Whether the browser is signed in")
