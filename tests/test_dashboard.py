@@ -429,7 +429,9 @@ def test_sign_in_when_keys_are_required(
     expect(page.locator("#empty")).to_be_visible()
     expect(form).to_be_hidden()
     assert httpx.get(api.url + "/jobs").status_code == 401  # the key lives in this browser's cookie only
-    expect(page.locator("#session")).to_have_text("Signed in as the admin: every tenant's jobs. Sign out")
+    expect(page.locator("#session")).to_have_text(
+        "Signed in as the admin: every tenant's jobs. API keys Sign out"
+    )
     page.get_by_role("button", name="Sign out").click()
     expect(form).to_be_visible()  # the cookie is gone: the next call asks for a key again
     expect(page.locator("#session")).to_have_count(0)
@@ -495,6 +497,70 @@ def test_a_key_that_expires_within_a_week_is_pointed_out(
     page = signed_in(keys[30]["key"])
     expect(page.locator("#session")).to_be_visible()
     expect(page.locator("#key-expiry")).to_have_count(0)
+
+
+def test_the_keys_page_creates_rotates_and_revokes(
+    live_api: Callable[..., LiveApi], open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    api = live_api(dispatcher_enabled=False, admin_key=ADMIN)
+    tab = open_tab(api, "/ui/")
+    page = tab.page
+    page.get_by_label("API key").fill(ADMIN)
+    page.get_by_role("button", name="Sign in").click()
+    page.get_by_role("link", name="API keys").click()
+    expect(page).to_have_url(f"{api.url}/ui/keys")
+    rows = page.locator("#keys tbody tr")
+    expect(rows).to_have_count(0)
+    tab.errors.clear()  # (the jobs page's 401 before signing in)
+
+    page.get_by_label("Tenant", exact=True).fill("alpha")
+    page.get_by_label("Name", exact=True).fill("ci")
+    page.get_by_label("Expires in days").fill("30")
+    page.get_by_role("button", name="Create key").click()
+    secret = page.locator("#secret-key")
+    expect(secret).to_have_text(re.compile(r"^tpt_[a-z0-9]{10}_"))
+    first = secret.inner_text()
+    with api.client() as http:  # the key shown works, and is alpha's
+        assert http.get("/jobs", headers={"Authorization": f"Bearer {first}"}).status_code == 200
+        listed = http.get("/admin/keys", headers={"Authorization": f"Bearer {ADMIN}"}).json()["data"]
+    assert [(k["tenant"], k["name"], k["admin"]) for k in listed] == [("alpha", "ci", False)]
+    old_id = listed[0]["id"]
+    expect(rows).to_have_count(1)
+    expect(rows.first.locator("td").nth(2)).to_have_text("member")
+    expect(rows.first.locator(".state")).to_have_text(re.compile(r"^expires \d{4}-\d\d-\d\d \d\d:\d\d$"))
+    expect(page.get_by_label("Tenant", exact=True)).to_have_value("")  # (the form is cleared)
+
+    page.once("dialog", lambda dialog: dialog.accept("0"))  # no grace: the old key stops now
+    page.get_by_role("button", name=f"Rotate {old_id}").click()
+    expect(page.locator("#secret-what")).to_contain_text(f"replacing {old_id}")
+    expect(secret).not_to_have_text(first)
+    second = secret.inner_text()
+    expect(rows).to_have_count(2)
+    expect(page.locator(f'tr[data-key-id="{old_id}"] .state')).to_have_text(re.compile(r"^expired "))
+    with api.client() as http:
+        assert http.get("/jobs", headers={"Authorization": f"Bearer {first}"}).status_code == 401
+        assert http.get("/jobs", headers={"Authorization": f"Bearer {second}"}).status_code == 200
+    new_id = page.locator("#keys tbody tr").nth(1).get_attribute("data-key-id")
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name=f"Revoke {new_id}").click()
+    expect(page.locator(f'tr[data-key-id="{new_id}"] .state')).to_have_text(re.compile(r"^revoked "))
+    expect(page.get_by_role("button", name=f"Revoke {new_id}")).to_have_count(0)
+    tab.assert_clean()
+
+    # A member key gets the API's sentence, and no keys.
+    member = open_tab(api, "/ui/keys").page
+    member.get_by_label("API key").fill(first)  # (expired: refused at sign-in)
+    member.get_by_role("button", name="Sign in").click()
+    expect(member.locator("#signin-error")).to_contain_text("expired")
+    with api.client() as http:
+        body = {"tenant": "beta", "name": "member"}
+        beta = http.post("/admin/keys", json=body, headers={"Authorization": f"Bearer {ADMIN}"}).json()["key"]
+    member.get_by_label("API key").fill(beta)
+    member.get_by_role("button", name="Sign in").click()
+    expect(member.locator("#keys-error")).to_have_text(
+        "Only an admin key (TPUTUNE_ADMIN_KEY, or one created as admin) may manage API keys."
+    )
+    expect(member.locator("#keys tbody tr")).to_have_count(0)
 
 
 def test_a_refused_stream_is_followed_again(

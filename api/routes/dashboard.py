@@ -35,6 +35,12 @@ def jobs_page() -> FileResponse:
     return FileResponse(STATIC_DIR / "index.html", headers=_HEADERS)
 
 
+@router.get("/ui/keys")
+def keys_page() -> FileResponse:
+    """API keys: listed, created, rotated and revoked with an admin key (the API says no to others)."""
+    return FileResponse(STATIC_DIR / "keys.html", headers=_HEADERS)
+
+
 @router.get("/ui/jobs/{job_id}")
 def job_page(job_id: str) -> FileResponse:
     """One page for every id: the script reads the id from the URL and shows the API's 404 sentence."""

@@ -76,7 +76,8 @@ async function showSession() {
   const who = state.admin
     ? "Signed in as the admin: every tenant's jobs. "
     : `Signed in to tenant ${state.tenant}. `;
-  header.append(el("p", { className: "session muted", attrs: { id: "session" } }, [who, button]));
+  const keys = state.admin ? [el("a", { text: "API keys", attrs: { href: "/ui/keys", id: "keys-link" } }), " "] : [];
+  header.append(el("p", { className: "session muted", attrs: { id: "session" } }, [who, ...keys, button]));
 }
 
 showSession();

@@ -1,0 +1,96 @@
+// The API keys page: GET /admin/keys, and create, rotate and revoke (admin keys only).
+import { api, el } from "./common.js";
+
+const tbody = document.querySelector("#keys tbody");
+const error = document.getElementById("keys-error");
+
+function when(stamp) {
+  return stamp ? stamp.slice(0, 16).replace("T", " ") : "";
+}
+
+function state(key) {
+  if (key.revoked_at) return `revoked ${when(key.revoked_at)}`;
+  if (key.expires_at && Date.parse(key.expires_at) <= Date.now()) return `expired ${when(key.expires_at)}`;
+  if (key.expires_at) return `expires ${when(key.expires_at)}`;
+  return "active";
+}
+
+function showSecret(created, what) {
+  document.getElementById("secret-what").textContent = what;
+  document.getElementById("secret-key").textContent = created.key;
+  document.getElementById("secret").hidden = false;
+}
+
+async function act(action) {
+  try {
+    await action();
+    error.hidden = true;
+  } catch (err) {
+    error.textContent = err.message;
+    error.hidden = false;
+  }
+  await refresh();
+}
+
+function actions(key) {
+  if (key.revoked_at) return [];
+  const rotate = el("button", { text: "Rotate", attrs: { type: "button", "aria-label": `Rotate ${key.id}` } });
+  rotate.addEventListener("click", () => {
+    const hours = prompt(`Rotate ${key.id} (${key.name}): hours the old key goes on working?`, "0");
+    if (hours === null) return;
+    act(async () => {
+      const body = JSON.stringify({ grace_seconds: Math.round(Number(hours) * 3600) });
+      const created = await api(`/admin/keys/${encodeURIComponent(key.id)}/rotate`, {
+        method: "POST",
+        headers: { "Content-Type": "application/json" },
+        body,
+      });
+      showSecret(created, `New key ${created.id} for ${created.tenant}, replacing ${key.id}.`);
+    });
+  });
+  const revoke = el("button", { text: "Revoke", attrs: { type: "button", "aria-label": `Revoke ${key.id}` } });
+  revoke.addEventListener("click", () => {
+    if (!confirm(`Revoke ${key.id} (${key.name})? It stops working at once.`)) return;
+    act(() => api(`/admin/keys/${encodeURIComponent(key.id)}`, { method: "DELETE" }));
+  });
+  return [rotate, " ", revoke];
+}
+
+function row(key) {
+  return el("tr", { attrs: { "data-key-id": key.id } }, [
+    el("td", {}, [el("span", { text: key.name }), el("br"), el("small", { text: key.prefix, className: "muted mono" })]),
+    el("td", { text: key.tenant }),
+    el("td", { text: key.admin ? "admin" : "member" }),
+    el("td", { text: state(key), className: "state" }),
+    el("td", { text: key.last_used_at ? when(key.last_used_at) : "never", className: "used" }),
+    el("td", {}, actions(key)),
+  ]);
+}
+
+async function refresh() {
+  try {
+    const page = await api("/admin/keys");
+    tbody.replaceChildren(...page.data.map(row));
+  } catch (err) {
+    error.textContent = err.message;
+    error.hidden = false;
+  }
+}
+
+document.getElementById("create").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const form = new FormData(event.target);
+  const body = { tenant: form.get("tenant"), name: form.get("name"), admin: form.get("admin") === "on" };
+  if (form.get("days")) body.expires_in_days = Number(form.get("days"));
+  act(async () => {
+    const created = await api("/admin/keys", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(body),
+    });
+    showSecret(created, `New ${created.admin ? "admin " : ""}key ${created.id} for ${created.tenant}.`);
+    event.target.reset();
+  });
+});
+
+refresh();
