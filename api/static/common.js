@@ -38,11 +38,22 @@ function warnIfKeyExpiresSoon(said) {
 }
 
 // With keys turned on, the browser signs in once: POST /auth/session stores the key in an HttpOnly cookie.
+// The form is the same on every page: made here, at the top of the page's main, when a call is refused.
 function askToSignIn() {
-  const form = document.getElementById("signin");
-  if (!form.hidden) return;
-  form.hidden = false;
-  form.querySelector("input").focus();
+  if (document.getElementById("signin")) return;
+  const input = el("input", {
+    attrs: { id: "api-key", name: "key", type: "password", autocomplete: "current-password", required: "" },
+  });
+  const form = el("form", { className: "card signin", attrs: { id: "signin" } }, [
+    el("h2", { text: "Sign in" }),
+    el("p", { className: "muted", text: "This server needs an API key; this browser keeps it in a cookie." }),
+    el("label", { text: "API key", attrs: { for: "api-key" } }),
+    input,
+    el("button", { text: "Sign in", attrs: { type: "submit" } }),
+    el("p", { className: "error", attrs: { id: "signin-error", role: "alert", hidden: "" } }),
+  ]);
+  document.querySelector("main").prepend(form);
+  input.focus();
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
     const error = document.getElementById("signin-error");
