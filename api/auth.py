@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol
 
-from sqlalchemy import bindparam, or_, update
+from sqlalchemy import ColumnElement, and_, bindparam, or_, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
@@ -87,6 +87,16 @@ def _when(expires: float) -> str | None:
     if expires == float("inf"):
         return None
     return datetime.fromtimestamp(expires, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def usable_key(now: float) -> ColumnElement[bool]:
+    """SQL: the API key is neither revoked nor past its expiry at `now` (a Unix time). Never NULL, so its
+    negation counts the unusable ones (api.usage)."""
+    expires_at = col(ApiKey.expires_at)
+    return and_(
+        col(ApiKey.revoked_at).is_(None),
+        or_(expires_at.is_(None), expires_at > datetime.fromtimestamp(now, UTC)),
+    )
 
 
 def _expiry(expires_at: datetime | None) -> float:
@@ -166,13 +176,9 @@ class Authenticator:
     def valid_key_ids(self, key_ids: set[str]) -> set[str]:
         """Which of these API keys are neither revoked nor expired (from the database, not the cache)."""
         with Session(self.engine) as session:
-            rows = session.exec(
-                select(ApiKey.id, ApiKey.expires_at).where(
-                    col(ApiKey.id).in_(key_ids), col(ApiKey.revoked_at).is_(None)
-                )
-            ).all()
-        now = time.time()
-        return {key_id for key_id, expires_at in rows if _expiry(expires_at) > now}
+            return set(
+                session.exec(select(ApiKey.id).where(col(ApiKey.id).in_(key_ids), usable_key(time.time())))
+            )
 
     def flush_uses(self) -> int:
         """Write when this process's keys were last used, if later than what is stored (another process

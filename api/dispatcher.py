@@ -341,17 +341,14 @@ class Dispatcher:
             return f"Waiting: {len(active)} jobs of your team are running (limit {max_jobs})."
         if max_chips is not None:
             what = "TPU chips" if self.settings.executor == "kubernetes" else "processes"
-            used = sum(self._chips(row) for row in active)
-            needed = self._chips(job)
+            used = sum(held_chips(row, self.settings) for row in active)
+            needed = held_chips(job, self.settings)
             if used + needed > max_chips:
                 return (
                     f"Waiting: your team's running jobs hold {used} of its {max_chips} {what}; "
                     f"this job needs {needed}."
                 )
         return None
-
-    def _chips(self, job: Any) -> int:
-        return held_chips(job, self.settings)
 
     def _follow(self, session: Session, job: Job) -> None:
         if job.status == JobStatus.cancelling:

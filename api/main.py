@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -128,10 +129,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
     engine = engine or make_engine(settings.resolved_database_url, settings.database_pool_size)
     executor = make_executor(settings)
     job_reader = make_reader(engine)
-
-    def chips(job: Any) -> int:
-        return held_chips(job, settings)
-
+    chips = functools.partial(held_chips, settings=settings)  # (for /metrics: each tenant's chips)
     load = None
     dispatcher: Dispatcher | DispatcherProcess | None = None
     wakes: Wakes | None = None

@@ -41,7 +41,8 @@ class Metrics:
         engine: Engine,
         dispatcher_stats: Collector | None = None,
         multiprocess: bool = False,
-        chips: Callable[[Any], int] | None = None,
+        *,
+        chips: Callable[[Any], int],
     ) -> None:
         self.registry = CollectorRegistry()
         own: CollectorRegistry | None = self.registry
@@ -82,7 +83,7 @@ class Metrics:
         else:
             self.launches = Counter(LAUNCHES[0], LAUNCHES[1], registry=own)
             self.last_pass = Gauge(LAST_PASS[0], LAST_PASS[1], registry=own, multiprocess_mode="max")
-        self.registry.register(_JobsByStatus(engine, chips or (lambda _job: 1)))
+        self.registry.register(_JobsByStatus(engine, chips))
 
     # --- DispatcherStats, for a dispatcher thread ---
 

@@ -31,18 +31,17 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol, cast
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from sqlalchemy import Float, Table, delete, extract, func, or_, select
+from sqlalchemy import Float, Table, delete, extract, func, select
 from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 
-from api.auth import Buckets
+from api.auth import Buckets, usable_key
 from api.mapped import MappedFile
 from api.models import ApiKey, KeyUsage
 from api.settings import Settings
@@ -219,12 +218,9 @@ class UsageSync:
         the other replicas' rows read, with how old their heartbeats are (those of replicas long dead
         deleted)."""
         with self.engine.begin() as connection:
-            unusable = or_(
-                KEYS.c.revoked_at.is_not(None), KEYS.c.expires_at <= datetime.fromtimestamp(now, UTC)
-            )
             # (and the database's clock, for the heartbeats: the replicas' own may disagree)
             revoked, clock = connection.execute(
-                select(func.count(), self._clock).select_from(KEYS).where(unusable)
+                select(func.count(), self._clock).select_from(KEYS).where(~usable_key(now))
             ).one()
             clock = float(clock)
             for row in changed:

@@ -168,7 +168,7 @@ async def list_jobs(
         raise ApiError(
             403,
             "admin_only",
-            f"Only the admin key lists another tenant's jobs; this key's are those of '{scope}': "
+            f"Only an admin key lists another tenant's jobs; this key's are those of '{scope}': "
             "leave out `tenant`.",
             param="tenant",
         )
