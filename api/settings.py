@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from worker.config import check_bucket
 
 AUTO_WORKERS_MAX = 4  # TPUTUNE_WORKERS=0: a worker per core, up to this many
+KEY_DAYS_MAX = 36_500  # the longest lifetime an API key may be given, in days (a hundred years)
 
 
 def _default_data_dir() -> Path:
@@ -85,7 +86,7 @@ class Settings(BaseSettings):
     key_max_days: int | None = Field(
         default=None,
         ge=1,
-        le=36_500,
+        le=KEY_DAYS_MAX,
         description="Every API key expires within this many days of its creation: a key created without "
         "`expires_in_days` gets this; unset: keys may live until revoked.",
     )

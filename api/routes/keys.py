@@ -16,6 +16,7 @@ from api.deps import AdminDep, SessionDep, SettingsDep, json_response
 from api.errors import ApiError
 from api.models import ApiKey, as_utc, utcnow
 from api.schemas import ErrorResponse, error_responses
+from api.settings import KEY_DAYS_MAX
 from worker.config import Text
 
 router = APIRouter(tags=["keys"], responses=error_responses(413, 422, 503))
@@ -27,7 +28,7 @@ class KeyCreate(BaseModel):
     expires_in_days: int | None = Field(
         default=None,
         ge=1,
-        le=36_500,
+        le=KEY_DAYS_MAX,
         description="The key stops working this many days from now. Default: never, or the server's "
         "`TPUTUNE_KEY_MAX_DAYS` where it sets one (then at most that).",
     )
@@ -98,7 +99,7 @@ class KeyRotate(BaseModel):
     expires_in_days: int | None = Field(
         default=None,
         ge=1,
-        le=36_500,
+        le=KEY_DAYS_MAX,
         description="The new key's lifetime. Default: the old key's, or as for a key created now.",
     )
 
