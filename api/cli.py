@@ -320,6 +320,67 @@ def keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _limit(tenant: dict[str, Any], field: str) -> str:
+    """A limit as `8`, `8 (server)` where it is the server's, or `none`."""
+    value = tenant["limits"][field]
+    if value is None:
+        return "none"
+    return f"{value}" if tenant["own_limits"][field] is not None else f"{value} (server)"
+
+
+def _limit_arg(text: str) -> int | None:
+    """--max-jobs/--max-chips: a number, or `default` (the server's limit)."""
+    if text == "default":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'default', not {text!r}") from None
+
+
+def tenants(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if args.action == "list":
+            rows = client.list_tenants()["data"]
+            print(
+                f"{'TENANT':<20} {'ACTIVE':>6} {'MAX JOBS':<12} {'CHIPS':>5} {'MAX CHIPS':<12} "
+                f"{'QUEUED':>6}  SET BY"
+            )
+            for tenant in rows:
+                used = tenant["usage"]
+                who = tenant["updated_by"] or "the single user"
+                by = f"{who} {_when(tenant['updated_at'])}" if tenant["updated_at"] else "-"
+                jobs, chips = _limit(tenant, "max_active_jobs"), _limit(tenant, "max_active_chips")
+                name, active, held = tenant["name"], used["active_jobs"], used["chips"]
+                print(
+                    f"{name:<20} {active:>6} {jobs:<12} {held:>5} {chips:<12} {used['queued_jobs']:>6}  {by}"
+                )
+            return 0
+        if args.action == "set":
+            changes = {}
+            if args.max_jobs is not False:
+                changes["max_active_jobs"] = args.max_jobs
+            if args.max_chips is not False:
+                changes["max_active_chips"] = args.max_chips
+            if not changes:
+                print(
+                    "tputune: error: say --max-jobs and/or --max-chips (a number, or 'default')",
+                    file=sys.stderr,
+                )
+                return 2
+            tenant = client.set_tenant_limits(args.name, **changes)
+        else:
+            tenant = client.get_tenant(args.name) if args.name else client.tenant()
+    used = tenant["usage"]
+    print(f"tenant {tenant['name']}")
+    jobs = _limit(tenant, "max_active_jobs")
+    print(f"  jobs:  {used['active_jobs']} active, limit {jobs}; {used['queued_jobs']} queued")
+    print(f"  {tenant['chip_unit']}: {used['chips']} held, limit {_limit(tenant, 'max_active_chips')}")
+    if tenant["updated_at"]:
+        print(f"  limits set by {tenant['updated_by'] or 'the single user'} at {_when(tenant['updated_at'])}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="tputune", description="Fine-tune Gemma 3 with JAX on TPUs.")
     root.add_argument("--api-url", help="API base URL (env TPUTUNE_API_URL, default http://127.0.0.1:8000)")
@@ -427,6 +488,27 @@ def parser() -> argparse.ArgumentParser:
     a = actions.add_parser("revoke", help="revoke a key")
     a.add_argument("key_id")
     p.set_defaults(func=keys)
+
+    p = commands.add_parser("tenants", help="teams' limits on running jobs and chips, and their use")
+    actions = p.add_subparsers(dest="action", required=True)
+    a = actions.add_parser("show", help="a team's limits and use (default: your own)")
+    a.add_argument("name", nargs="?", help="a tenant (needs an admin key)")
+    actions.add_parser("list", help="every team's (needs an admin key)")
+    a = actions.add_parser("set", help="set a team's limits (needs an admin key)")
+    a.add_argument("name")
+    a.add_argument(
+        "--max-jobs",
+        type=_limit_arg,
+        default=False,
+        help="jobs active at once (0: none start); 'default': the server's limit",
+    )
+    a.add_argument(
+        "--max-chips",
+        type=_limit_arg,
+        default=False,
+        help="TPU chips (local executor: processes) its active jobs may hold; 'default': the server's",
+    )
+    p.set_defaults(func=tenants)
 
     p = commands.add_parser("demo", help="fine-tune Gemma 3 270M on generated stories, end to end")
     p.add_argument("--port", type=int, default=8765)

@@ -169,6 +169,22 @@ class Client:
     def revoke_key(self, key_id: str) -> dict[str, Any]:
         return self._request("DELETE", f"/admin/keys/{key_id}")
 
+    # --- tenants' limits ---
+
+    def tenant(self) -> dict[str, Any]:
+        """The caller's team: its limits and what its jobs hold now."""
+        return self._request("GET", "/tenant")
+
+    def list_tenants(self) -> dict[str, Any]:
+        return self._request("GET", "/admin/tenants")
+
+    def get_tenant(self, name: str) -> dict[str, Any]:
+        return self._request("GET", f"/admin/tenants/{name}")
+
+    def set_tenant_limits(self, name: str, **limits: int | None) -> dict[str, Any]:
+        """Change `max_active_jobs` and/or `max_active_chips` (None: the server's limit holds again)."""
+        return self._request("PATCH", f"/admin/tenants/{name}", json=limits)
+
     def follow_events(self, job_id: str, after: int | None = None) -> Iterator[dict[str, Any]]:
         """Events as they happen (Server-Sent Events), until the job ends; reconnects and resumes, also
         after a 429 (the server or this key follows as many streams as it may) or 503, when Retry-After

@@ -126,19 +126,23 @@ API_KEY_DESCRIPTION = "A tputune API key (`tputune keys create`)."
 API_KEY_REQUIRED: dict[str, Any] = {"security": [{API_KEY_SCHEME: []}]}
 
 
-def _admin(principal: Principal) -> Principal:
-    if not principal.is_admin:
-        raise ApiError(
-            403,
-            "admin_only",
-            "Only an admin key (TPUTUNE_ADMIN_KEY, or one created as admin) may manage API keys.",
-        )
-    return principal
+def _admin(what: str) -> Callable[[Principal], Principal]:
+    def admin(principal: Principal) -> Principal:
+        if not principal.is_admin:
+            raise ApiError(
+                403,
+                "admin_only",
+                f"Only an admin key (TPUTUNE_ADMIN_KEY, or one created as admin) may {what}.",
+            )
+        return principal
+
+    return admin
 
 
 get_principal = _Caller(lambda principal: principal)
 get_tenant = _Caller(lambda principal: principal.scope)
-get_admin = _Caller(_admin)
+get_admin = _Caller(_admin("manage API keys"))
+get_limits_admin = _Caller(_admin("set tenants' limits"))
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
@@ -160,5 +164,6 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 TenantDep = Annotated[str | None, Depends(get_tenant)]  # None: every tenant's jobs (the admin key)
 AdminDep = Annotated[Principal, Depends(get_admin)]
+LimitsAdminDep = Annotated[Principal, Depends(get_limits_admin)]
 ExecutorDep = Annotated[Executor, Depends(get_executor)]
 DispatcherDep = Annotated[Wakes | None, Depends(get_dispatcher)]

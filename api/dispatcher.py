@@ -14,10 +14,11 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from api import jobs as service
+from api import tenants
 from api.datasets import DatasetUnavailable, StorageUnreachable, check_dataset
 from api.db import session_scope
 from api.executors import Discards, Executor, ExecutorUnavailable, Observation
-from api.models import Job, utcnow
+from api.models import Job, Tenant, utcnow
 from api.observability import DispatcherStats, job_id_var
 from api.settings import Settings
 from api.states import ACTIVE, JobStatus
@@ -75,6 +76,7 @@ class Dispatcher:
         # Where the next pass starts, per kind of job (see _page), and the tenants' active jobs this pass.
         self._cursor: dict[str, int] = {}
         self._tenant_jobs: dict[str, list[Any]] = {}
+        self._limits: dict[str, Tenant] | None = None  # the tenants' own limits, read once a pass
         # Jobs of this pass whose data is unusable, with why: they fail together (_fail_unusable).
         self._unusable: list[tuple[int, str, str]] = []  # (seq, error code, message)
         # Queued jobs of this pass whose local data _queued_page found usable: _claim does not check again.
@@ -132,6 +134,7 @@ class Dispatcher:
             return False
         more = False
         self._tenant_jobs.clear()
+        self._limits = None
         self._data_checked.clear()
         with session_scope(self.engine) as session:
             try:
@@ -327,22 +330,32 @@ class Dispatcher:
             self._yield(time.thread_time() - used)
 
     def _over_tenant_cap(self, session: Session, job: Job) -> str | None:
-        """Why `job` must wait for its tenant's running jobs (TPUTUNE_TENANT_MAX_ACTIVE_*), or None."""
-        max_jobs, max_chips = self.settings.tenant_max_active_jobs, self.settings.tenant_max_active_chips
-        if max_jobs is None and max_chips is None:
+        """Why `job` must wait for its tenant's running jobs (its limits: api.tenants), or None."""
+        if self._limits is None:  # once a pass: a limit changed holds from the next one
+            self._limits = tenants.load(session)
+        limits = tenants.Limits.of(self._limits.get(job.tenant), self.settings)
+        if not limits.any:
             return None
+        max_jobs, max_chips = limits.max_active_jobs, limits.max_active_chips
         active = self._tenant_jobs.get(job.tenant)
         if active is None:  # once per tenant and pass; the jobs it starts are added (_claim)
             statement = select(Job.id, Job.spec).where(
                 Job.tenant == job.tenant, col(Job.status).in_(list(ACTIVE))
             )
             active = self._tenant_jobs[job.tenant] = list(session.exec(statement).all())
+        if max_jobs == 0:
+            return "Waiting: your team may run no jobs now (limit 0); ask your admin to raise it."
         if max_jobs is not None and len(active) >= max_jobs:
             return f"Waiting: {len(active)} jobs of your team are running (limit {max_jobs})."
         if max_chips is not None:
             what = "TPU chips" if self.settings.executor == "kubernetes" else "processes"
             used = sum(held_chips(row, self.settings) for row in active)
             needed = held_chips(job, self.settings)
+            if needed > max_chips:  # (the limit was lowered after the job was accepted)
+                return (
+                    f"Waiting: this job needs {needed} {what}, more than your team may hold at once "
+                    f"({max_chips}); it starts if an admin raises the limit, or cancel it."
+                )
             if used + needed > max_chips:
                 return (
                     f"Waiting: your team's running jobs hold {used} of its {max_chips} {what}; "

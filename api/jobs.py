@@ -28,9 +28,10 @@ from sqlmodel import Session, col, select
 
 from api.db import autocommit_connection
 from api.errors import ApiError, not_found
-from api.models import IdempotencyKey, Job, JobEvent, as_utc, utcnow
+from api.models import IdempotencyKey, Job, JobEvent, Tenant, as_utc, utcnow
 from api.settings import Settings
 from api.states import FINAL, JobStatus, check_transition
+from api.tenants import Limits
 from api.validation import check_spec
 from worker.config import JobSpec
 from worker.protocol import (
@@ -143,10 +144,16 @@ class Outcome:
 QUEUED_MESSAGE = "Waiting for the dispatcher to start it."
 
 
-def prepare_job(spec: JobSpec, settings: Settings, tenant: str, idempotency_key: str | None = None) -> NewJob:
-    """Check `spec` against this deployment (ApiError if it does not fit) and build its row; no I/O but
-    the checks of local paths."""
-    check_spec(spec, settings)
+def prepare_job(
+    spec: JobSpec,
+    settings: Settings,
+    tenant: str,
+    idempotency_key: str | None = None,
+    limits: Limits | None = None,
+) -> NewJob:
+    """Check `spec` against this deployment and the tenant's `limits` (default: the server's) (ApiError
+    if it does not fit) and build its row; no I/O but the checks of local paths."""
+    check_spec(spec, settings, (limits or Limits.of(None, settings)).max_active_chips)
     dumped = spec.model_dump(mode="json")
     spec_json = spec.model_dump_json()  # (half the time json.dumps(dumped) takes)
     request_hash = None
@@ -388,7 +395,8 @@ def create_job(
 ) -> tuple[Job, bool]:
     """Insert a queued job and commit; returns (job, created). For scripts and tests: the API creates
     jobs through `api.writer` (`make_writer`), which stores the jobs of concurrent requests together."""
-    new = prepare_job(spec, settings, tenant, idempotency_key)
+    own = session.get(Tenant, tenant)
+    new = prepare_job(spec, settings, tenant, idempotency_key, Limits.of(own, settings))
     [outcome] = write_jobs(session.connection(), [new])
     session.commit()
     if isinstance(outcome, ApiError):

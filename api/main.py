@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,11 +23,11 @@ from api.dispatcher import Dispatcher, make_dispatcher
 from api.executors import Closeable, make_executor
 from api.observability import Metrics, RequestContext, RequestLoad
 from api.reader import make_reader
-from api.routes import dashboard, health, jobs, keys
+from api.routes import dashboard, health, jobs, keys, tenants
 from api.settings import Settings
 from api.streams import EVENTS, LOGS, EventWatch, SharedKeyStreams, Streams
+from api.tenants import LimitsCache
 from api.usage import USAGE_STATS_FILE, UsageStats
-from api.validation import held_chips
 from api.writer import make_writer
 
 log = logging.getLogger(__name__)
@@ -129,7 +128,6 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
     engine = engine or make_engine(settings.resolved_database_url, settings.database_pool_size)
     executor = make_executor(settings)
     job_reader = make_reader(engine)
-    chips = functools.partial(held_chips, settings=settings)  # (for /metrics: each tenant's chips)
     load = None
     dispatcher: Dispatcher | DispatcherProcess | None = None
     wakes: Wakes | None = None
@@ -139,10 +137,10 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
         else:
             dispatcher = DispatcherProcess(settings)
             stats = dispatcher.stats
-        metrics = Metrics(engine, dispatcher_stats=stats, multiprocess=worker, chips=chips)
+        metrics = Metrics(engine, dispatcher_stats=stats, multiprocess=worker, settings=settings)
         wakes = Waker(settings.data_dir / WAKE_FILE, stats)
     else:
-        metrics = Metrics(engine, multiprocess=worker, chips=chips)
+        metrics = Metrics(engine, multiprocess=worker, settings=settings)
         if settings.dispatcher_enabled:
             load = RequestLoad()  # a dispatcher thread yields to requests (a process does not share the GIL)
             dispatcher = wakes = make_dispatcher(engine, executor, settings, metrics, api_busy=load.busy)
@@ -212,6 +210,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
     app.state.dispatcher = wakes
     app.state.leader = dispatcher.leader if isinstance(dispatcher, Dispatcher) else None
     app.state.auth = Authenticator(engine, settings, buckets)
+    app.state.tenant_limits = LimitsCache(engine, settings)
     app.state.metrics = metrics
     app.state.streams = streams
     app.state.event_watch = EventWatch(job_reader)
@@ -219,6 +218,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(keys.router)
+    app.include_router(tenants.router)
     app.include_router(dashboard.router)
     serve_directly(app, jobs.create_job, jobs.get_job, health.healthz)
     app.add_middleware(DirectLane, fastapi_app=app)

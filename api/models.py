@@ -154,6 +154,20 @@ class ApiKey(SQLModel, table=True):
     admin: bool = Field(default=False, sa_column_kwargs={"server_default": false()})
 
 
+class Tenant(SQLModel, table=True):
+    """A tenant's own limits on what its jobs hold at once, where an admin set them (PATCH
+    /admin/tenants/{name}). A tenant without a row, or a limit NULL here, has the server's
+    (TPUTUNE_TENANT_MAX_ACTIVE_JOBS/CHIPS): api.tenants.Limits."""
+
+    __tablename__ = "tenants"
+
+    name: str = Field(max_length=64, primary_key=True)
+    max_active_jobs: int | None = None
+    max_active_chips: int | None = None
+    updated_at: datetime = Field(default_factory=utcnow, sa_type=DateTime(timezone=True), nullable=False)
+    updated_by: str | None = Field(default=None, max_length=64)  # who set them, as Principal.who says
+
+
 # A job's spec never changes after it is created: validate it once per process, not on every read. A few
 # thousand at most: each is ~10 objects the garbage collector walks on every full collection, and with
 # 20,000 cached a full collection paused the server for ~130 ms (p99 of POST /jobs at 64 clients).

@@ -7,7 +7,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
@@ -19,8 +19,11 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api import tenants as tenant_limits
 from api.models import Job
+from api.settings import Settings
 from api.states import ACTIVE, FINAL, JobStatus
+from api.validation import held_chips
 
 CALLER = "tputune.caller"  # scope["state"][CALLER]: the request's Principal, once known (api.deps.caller)
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
@@ -42,7 +45,7 @@ class Metrics:
         dispatcher_stats: Collector | None = None,
         multiprocess: bool = False,
         *,
-        chips: Callable[[Any], int],
+        settings: Settings,
     ) -> None:
         self.registry = CollectorRegistry()
         own: CollectorRegistry | None = self.registry
@@ -83,7 +86,7 @@ class Metrics:
         else:
             self.launches = Counter(LAUNCHES[0], LAUNCHES[1], registry=own)
             self.last_pass = Gauge(LAST_PASS[0], LAST_PASS[1], registry=own, multiprocess_mode="max")
-        self.registry.register(_JobsByStatus(engine, chips))
+        self.registry.register(_JobsByStatus(engine, settings))
 
     # --- DispatcherStats, for a dispatcher thread ---
 
@@ -112,13 +115,13 @@ class DispatcherStats(Protocol):
 
 
 class _JobsByStatus(Collector):
-    """`tputune_jobs` by status; and for each tenant with unfinished jobs, those by status and the chips
-    its running jobs hold (`chips` of a job: what TPUTUNE_TENANT_MAX_ACTIVE_CHIPS caps), to watch the
-    shared quota and each team's share of it."""
+    """`tputune_jobs` by status; for each tenant with unfinished jobs, those by status and the chips its
+    active jobs hold (api.validation.held_chips: what its chip limit caps), to watch the shared quota and
+    each team's share of it; and each tenant's limits (api.tenants), where it has one, beside them."""
 
-    def __init__(self, engine: Engine, chips: Callable[[Any], int]) -> None:
+    def __init__(self, engine: Engine, settings: Settings) -> None:
         self.engine = engine
-        self.chips = chips
+        self.settings = settings
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily("tputune_jobs", "Jobs by status", labels=["status"])
@@ -127,7 +130,17 @@ class _JobsByStatus(Collector):
         )
         held = GaugeMetricFamily(
             "tputune_tenant_chips",
-            "TPU chips (local executor: processes) each tenant's running jobs hold",
+            "TPU chips (local executor: processes) each tenant's active jobs hold",
+            labels=["tenant"],
+        )
+        max_jobs = GaugeMetricFamily(
+            "tputune_tenant_max_active_jobs",
+            "The jobs each tenant may have active at once (tenants with unfinished jobs or own limits)",
+            labels=["tenant"],
+        )
+        max_chips = GaugeMetricFamily(
+            "tputune_tenant_max_active_chips",
+            "The TPU chips (local executor: processes) each tenant's active jobs may hold",
             labels=["tenant"],
         )
         counts = dict.fromkeys((s.value for s in JobStatus), 0)
@@ -143,6 +156,7 @@ class _JobsByStatus(Collector):
             active = session.exec(
                 select(Job.id, Job.tenant, Job.spec).where(col(Job.status).in_([s.value for s in ACTIVE]))
             ).all()
+            own = tenant_limits.load(session)
         for status, count in counts.items():
             family.add_metric([status], count)
         yield family
@@ -151,11 +165,19 @@ class _JobsByStatus(Collector):
             tenants.add_metric([tenant, status], count)
             chips.setdefault(tenant, 0)
         for row in active:  # (id, tenant, spec)
-            chips[row[1]] = chips.get(row[1], 0) + self.chips(row)
+            chips[row[1]] = chips.get(row[1], 0) + held_chips(row, self.settings)
         yield tenants
         for tenant, count in sorted(chips.items()):
             held.add_metric([tenant], count)
         yield held
+        for tenant in sorted(set(chips) | set(own)):
+            limits = tenant_limits.Limits.of(own.get(tenant), self.settings)
+            if limits.max_active_jobs is not None:
+                max_jobs.add_metric([tenant], limits.max_active_jobs)
+            if limits.max_active_chips is not None:
+                max_chips.add_metric([tenant], limits.max_active_chips)
+        yield max_jobs
+        yield max_chips
 
 
 access_log = logging.getLogger("tputune.access")

@@ -154,7 +154,9 @@ def check_tpu_resources(spec: JobSpec, settings: Settings) -> None:
         )
 
 
-def check_spec(spec: JobSpec, settings: Settings) -> None:
+def check_spec(spec: JobSpec, settings: Settings, chip_limit: int | None) -> None:
+    """ApiError if `spec` does not fit this deployment, or needs more chips than its tenant's running jobs
+    may hold at once (`chip_limit`, api.tenants.Limits; None: no limit): it could never start."""
     if spec.model == TINY_MODEL and not settings.allow_tiny_model:
         raise ApiError(
             422,
@@ -165,15 +167,14 @@ def check_spec(spec: JobSpec, settings: Settings) -> None:
         )
     check_local_paths(spec, settings)
     check_resources(spec, settings)
-    cap = settings.tenant_max_active_chips
-    if cap is not None and (chips := job_chips(spec, settings)) > cap:
+    if chip_limit is not None and (chips := job_chips(spec, settings)) > chip_limit:
         what = "TPU chips" if settings.executor == "kubernetes" else "local processes"
         raise ApiError(
             422,
             "over_tenant_chip_limit",
-            f"This job needs {chips} {what}, more than your team may use at once ({cap}, "
-            "TPUTUNE_TENANT_MAX_ACTIVE_CHIPS), so it could never start; use a smaller topology or fewer "
-            "slices (processes), or ask your admin to raise the limit.",
+            f"This job needs {chips} {what}, more than your team may use at once ({chip_limit}), so it "
+            "could never start; use a smaller topology or fewer slices (processes), or ask your admin to "
+            "raise your team's limit.",
             param="resources",
         )
 

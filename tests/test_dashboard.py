@@ -60,7 +60,8 @@ def test_root_redirects_and_pages_are_served(client: TestClient) -> None:
     root = client.get("/", follow_redirects=False)
     assert root.status_code == 307 and root.headers["location"] == "/ui/"
     assert client.get("/ui", follow_redirects=False).headers["location"].endswith("/ui/")
-    for path, script in (("/ui/", "jobs.js"), ("/ui/jobs/ft-anything", "job.js")):
+    pages = (("/ui/", "jobs.js"), ("/ui/jobs/ft-anything", "job.js"), ("/ui/keys", "keys.js"))
+    for path, script in (*pages, ("/ui/tenants", "tenants.js")):
         page = client.get(path)
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert f'src="/ui/static/{script}"' in page.text
@@ -437,7 +438,7 @@ def test_sign_in_when_keys_are_required(
     expect(form).to_be_hidden()
     assert httpx.get(api.url + "/jobs").status_code == 401  # the key lives in this browser's cookie only
     expect(page.locator("#session")).to_have_text(
-        "Signed in as the admin: every tenant's jobs. API keys Sign out"
+        "Signed in as the admin: every tenant's jobs. API keys Teams Sign out"
     )
     page.get_by_role("button", name="Sign out").click()
     expect(form).to_be_visible()  # the cookie is gone: the next call asks for a key again
@@ -557,6 +558,60 @@ def test_the_keys_page_creates_rotates_and_revokes(
         "Only an admin key (TPUTUNE_ADMIN_KEY, or one created as admin) may manage API keys."
     )
     expect(member.locator("#keys tbody tr")).to_have_count(0)
+
+
+def test_the_teams_page_sets_limits_and_a_team_sees_its_own(
+    live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    api = live_api(dispatcher_enabled=False, admin_key=ADMIN, tenant_max_active_chips=8)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    with api.client() as http:
+        member = http.post("/admin/keys", json={"tenant": "alpha", "name": "b"}, headers=admin).json()["key"]
+    api.headers = {"Authorization": f"Bearer {member}"}
+    create(api, dataset, "alpha job")
+
+    tab = open_tab(api, "/ui/")
+    page = sign_in(tab.page, ADMIN)
+    page.get_by_role("link", name="Teams").click()
+    expect(page).to_have_url(f"{api.url}/ui/tenants")
+    tab.errors.clear()  # (the jobs page's 401 before signing in)
+    alpha = page.locator('tr[data-tenant="alpha"]')
+    expect(alpha.locator(".jobs")).to_have_text("0")  # (no limit on jobs)
+    expect(alpha.locator(".chips")).to_have_text("0 of 8 (server)")
+    expect(alpha.locator(".queued")).to_have_text("1")
+
+    page.get_by_label("Tenant", exact=True).fill("alpha")
+    page.get_by_label("Jobs active at once").fill("1")
+    page.get_by_role("button", name="Save limits").click()
+    expect(alpha.locator(".jobs")).to_have_text("0 of 1")
+    expect(alpha.locator("td").nth(4)).to_contain_text("the admin")
+    expect(page.get_by_label("Tenant", exact=True)).to_have_value("")  # (the form is cleared)
+    page.get_by_role("button", name="Edit alpha").click()  # (the form holds its own limits)
+    expect(page.get_by_label("Tenant", exact=True)).to_have_value("alpha")
+    expect(page.get_by_label("Jobs active at once")).to_have_value("1")
+    expect(page.get_by_label("TPU chips its jobs may hold")).to_have_value("")
+    page.get_by_label("TPU chips its jobs may hold").fill("2")
+    page.get_by_role("button", name="Save limits").click()
+    expect(alpha.locator(".chips")).to_have_text("0 of 2")
+    with api.client() as http:
+        own = http.get("/admin/tenants/alpha", headers=admin).json()["own_limits"]
+    assert own == {"max_active_jobs": 1, "max_active_chips": 2}
+    page.get_by_label("Tenant", exact=True).fill("beta")
+    page.get_by_label("Jobs active at once").fill("-1")  # (the browser's own check: min 0)
+    page.get_by_role("button", name="Save limits").click()
+    expect(page.locator('tr[data-tenant="beta"]')).to_have_count(0)
+    tab.assert_clean()
+
+    # The team sees its limits over its jobs; a member key gets the API's sentence on the teams page.
+    team = sign_in(open_tab(api, "/ui/").page, member)
+    expect(team.locator("#quota")).to_have_text(
+        "Your team (alpha): 0 of 1 jobs active · 0 of 2 processes held · 1 queued. "
+        "Over a limit, jobs wait queued."
+    )
+    team.goto(f"{api.url}/ui/tenants")
+    expect(team.locator("#tenants-error")).to_have_text(
+        "Only an admin key (TPUTUNE_ADMIN_KEY, or one created as admin) may set tenants' limits."
+    )
 
 
 def test_a_refused_stream_is_followed_again(

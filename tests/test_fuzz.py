@@ -35,6 +35,7 @@ from api.main import create_app
 from api.migrate import upgrade
 from api.models import ApiKey, Job
 from api.routes.keys import KeyCreate
+from api.routes.tenants import TenantLimitsUpdate
 from api.schemas import JobCreate
 from api.settings import Settings
 from worker.protocol import Report
@@ -200,7 +201,7 @@ def test_numbers_past_the_columns_and_nul_characters_are_refused_never_a_5xx(dat
             server_errors.append(f"{method} {url} {sent!r}: {response.status_code}")
 
     for path, operations in app.openapi()["paths"].items():
-        url = path.replace("{job_id}", job_id).replace("{key_id}", "key_edge")
+        url = path.replace("{job_id}", job_id).replace("{key_id}", "key_edge").replace("{name}", "edge")
         for method, operation in operations.items():
             headers = admin if path.startswith("/admin") else user
             for parameter in operation.get("parameters", []):
@@ -239,5 +240,7 @@ def test_numbers_past_the_columns_and_nul_characters_are_refused_never_a_5xx(dat
     for field, value in _edge_values(KeyCreate):
         body = _with({"tenant": "edge", "name": "n"}, field, value)
         send("POST", "/admin/keys", content=body, headers={**admin, **JSON})
+    for field, value in _edge_values(TenantLimitsUpdate):
+        send("PATCH", "/admin/tenants/edge", content=_with({}, field, value), headers={**admin, **JSON})
     assert tried > 150, tried
     assert server_errors == [], "\n".join(server_errors)

@@ -8,7 +8,7 @@ from sqlalchemy import create_engine, inspect, text
 
 from api.migrate import downgrade, upgrade
 
-TABLES = {"jobs", "job_events", "job_metadata", "idempotency_keys", "api_keys", "key_usage"}
+TABLES = {"jobs", "job_events", "job_metadata", "idempotency_keys", "api_keys", "key_usage", "tenants"}
 
 
 def tables(url: str) -> set[str]:

@@ -38,10 +38,13 @@ def test_metrics_show_each_tenants_jobs_and_chips(
     make_settings: Callable[..., Settings], dataset: Path
 ) -> None:
     """The shared quota by team: each tenant's unfinished jobs by status, and the chips (local executor:
-    processes) its running jobs hold, what TPUTUNE_TENANT_MAX_ACTIVE_CHIPS caps."""
+    processes) its active jobs hold, and its limits beside them."""
     from tests.test_auth import ADMIN, bearer, make_key
 
-    app = create_app(make_settings(dispatcher_enabled=False, admin_key=ADMIN, rate_limit_per_second=0))
+    settings = make_settings(
+        dispatcher_enabled=False, admin_key=ADMIN, rate_limit_per_second=0, tenant_max_active_chips=32
+    )
+    app = create_app(settings)
     with TestClient(app) as client:
         keys = {tenant: make_key(client, tenant) for tenant in ("alpha", "beta", "gamma")}
 
@@ -68,6 +71,11 @@ def test_metrics_show_each_tenants_jobs_and_chips(
         submit("beta")
         move(submit("beta", processes=8), JobStatus.cancelled)  # (finished: holds nothing)
         move(submit("gamma"), JobStatus.cancelled)
+        # Limits: the server's hold for a tenant without its own; one with none shows none.
+        own = {"max_active_jobs": 3, "max_active_chips": None}
+        assert client.patch("/admin/tenants/beta", json=own, headers=bearer(ADMIN)).status_code == 200
+        own = {"max_active_chips": 16}
+        assert client.patch("/admin/tenants/delta", json=own, headers=bearer(ADMIN)).status_code == 200
         body = client.get("/metrics").text
     lines = {line for line in body.splitlines() if line.startswith("tputune_tenant_")}
     assert lines == {
@@ -77,6 +85,10 @@ def test_metrics_show_each_tenants_jobs_and_chips(
         'tputune_tenant_jobs{status="queued",tenant="beta"} 1.0',
         'tputune_tenant_chips{tenant="alpha"} 6.0',
         'tputune_tenant_chips{tenant="beta"} 0.0',
+        'tputune_tenant_max_active_jobs{tenant="beta"} 3.0',
+        'tputune_tenant_max_active_chips{tenant="alpha"} 32.0',
+        'tputune_tenant_max_active_chips{tenant="beta"} 32.0',
+        'tputune_tenant_max_active_chips{tenant="delta"} 16.0',
     }
     assert 'tputune_jobs{status="cancelled"} 2.0' in body
 

@@ -41,6 +41,12 @@ def keys_page() -> FileResponse:
     return FileResponse(STATIC_DIR / "keys.html", headers=_HEADERS)
 
 
+@router.get("/ui/tenants")
+def tenants_page() -> FileResponse:
+    """Teams: every tenant's limits and use, and its limits set, with an admin key."""
+    return FileResponse(STATIC_DIR / "tenants.html", headers=_HEADERS)
+
+
 @router.get("/ui/jobs/{job_id}")
 def job_page(job_id: str) -> FileResponse:
     """One page for every id: the script reads the id from the URL and shows the API's 404 sentence."""

@@ -135,7 +135,8 @@ async def create_job(request: Request) -> Response:
     # On the event loop: the checks are CPU work (and a kernel lookup of local paths); the write waits for
     # the job writer (api.writer), which stores the jobs of concurrent requests in one transaction (on the
     # loop too, but for jobs with an Idempotency-Key or a SQLite write lock held long by another writer).
-    new = service.prepare_job(spec, request.app.state.settings, tenant, idempotency_key)
+    limits = await request.app.state.tenant_limits.of(tenant)  # (cached; read every few seconds)
+    new = service.prepare_job(spec, request.app.state.settings, tenant, idempotency_key, limits)
     outcome = await request.app.state.job_writer.create(new)
     if outcome.created:
         return Response(new.created_json(), status_code=201, media_type="application/json")

@@ -87,8 +87,15 @@ async function showSession() {
   const who = state.admin
     ? "Signed in as the admin: every tenant's jobs. "
     : `Signed in to tenant ${state.tenant}. `;
-  const keys = state.admin ? [el("a", { text: "API keys", attrs: { href: "/ui/keys", id: "keys-link" } }), " "] : [];
-  header.append(el("p", { className: "session muted", attrs: { id: "session" } }, [who, ...keys, button]));
+  const links = state.admin
+    ? [
+        el("a", { text: "API keys", attrs: { href: "/ui/keys", id: "keys-link" } }),
+        " ",
+        el("a", { text: "Teams", attrs: { href: "/ui/tenants", id: "tenants-link" } }),
+        " ",
+      ]
+    : [];
+  header.append(el("p", { className: "session muted", attrs: { id: "session" } }, [who, ...links, button]));
 }
 
 showSession();

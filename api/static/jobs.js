@@ -66,8 +66,28 @@ function render(jobs) {
   document.getElementById("empty").hidden = jobs.length > 0;
 }
 
+// A team with limits sees them and what its jobs hold: why a job of its waits queued.
+async function showQuota() {
+  const quota = document.getElementById("quota");
+  const tenant = await api("/tenant").catch(() => null);
+  const limits = tenant?.limits;
+  if (!tenant || (limits.max_active_jobs === null && limits.max_active_chips === null)) {
+    quota.hidden = true;
+    return;
+  }
+  const of = (used, limit) => (limit === null ? `${used}` : `${used} of ${limit}`);
+  const parts = [
+    `${of(tenant.usage.active_jobs, limits.max_active_jobs)} jobs active`,
+    `${of(tenant.usage.chips, limits.max_active_chips)} ${tenant.chip_unit} held`,
+    `${tenant.usage.queued_jobs} queued`,
+  ];
+  quota.textContent = `Your team (${tenant.name}): ${parts.join(" · ")}. Over a limit, jobs wait queued.`;
+  quota.hidden = false;
+}
+
 async function refresh() {
   showTenants = Boolean((await session)?.admin);
+  if (!showTenants) showQuota();
   const query = new URLSearchParams({ limit: String(PAGE_SIZE) });
   if (filter.value) query.set("status", filter.value);
   if (params.get("after")) query.set("after", params.get("after"));

@@ -1,0 +1,198 @@
+"""Tenants' limits and what their jobs hold now: a team sees its own, an admin sees and sets every team's."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request, Response
+from pydantic import BaseModel, Field
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, select
+
+from api.deps import LimitsAdminDep, PrincipalDep, SessionDep, SettingsDep, json_response
+from api.models import ApiKey, Tenant, as_utc, utcnow
+from api.schemas import ErrorResponse, error_responses
+from api.settings import Settings
+from api.tenants import Limits, Usage, usage
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(tags=["tenants"], responses=error_responses(401, 413, 422, 429, 503))
+
+TENANT_NAME = r"^[a-z0-9][a-z0-9-_.]*$"  # (as a key's tenant, api.routes.keys.KeyCreate)
+LIMIT_MAX = 1_000_000
+
+
+class LimitValues(BaseModel):
+    max_active_jobs: int | None = Field(
+        description="Jobs of the tenant starting, running or cancelling at once; more wait queued."
+    )
+    max_active_chips: int | None = Field(
+        description="TPU chips (local executor: processes) its active jobs may hold at once; more wait "
+        "queued, and a job that needs more is refused."
+    )
+
+
+class TenantUsage(BaseModel):
+    active_jobs: int = Field(description="Jobs starting, running or cancelling: what max_active_jobs counts.")
+    queued_jobs: int = Field(description="Jobs waiting to start.")
+    chips: int = Field(description="TPU chips (local executor: processes) its active jobs hold.")
+
+
+class TenantPublic(BaseModel):
+    object: str = "tenant"
+    name: str
+    limits: LimitValues = Field(description="What holds now; null: no limit.")
+    own_limits: LimitValues = Field(
+        description="The limits an admin set for this tenant; null: the server's "
+        "(TPUTUNE_TENANT_MAX_ACTIVE_JOBS/CHIPS) hold."
+    )
+    usage: TenantUsage
+    chip_unit: str = Field(
+        description="What `chips` counts on this server: `TPU chips` (on Kubernetes) or `processes` (the "
+        "local executor, whose processes stand in for TPU VMs).",
+        examples=["TPU chips"],
+    )
+    updated_at: datetime | None = Field(description="When an admin last set its limits.")
+    updated_by: str | None = Field(description="Who did.")
+
+    @classmethod
+    def of(cls, name: str, row: Tenant | None, used: Usage | None, settings: Settings) -> TenantPublic:
+        limits = Limits.of(row, settings)
+        return cls(
+            name=name,
+            limits=LimitValues(
+                max_active_jobs=limits.max_active_jobs, max_active_chips=limits.max_active_chips
+            ),
+            own_limits=LimitValues(
+                max_active_jobs=row.max_active_jobs if row else None,
+                max_active_chips=row.max_active_chips if row else None,
+            ),
+            usage=TenantUsage(**vars(used or Usage())),
+            chip_unit="TPU chips" if settings.executor == "kubernetes" else "processes",
+            updated_at=as_utc(row.updated_at) if row else None,
+            updated_by=row.updated_by if row else None,
+        )
+
+
+class TenantList(BaseModel):
+    object: str = "list"
+    data: list[TenantPublic]
+
+
+class TenantLimitsUpdate(BaseModel):
+    """The limits to change; a field left out stays as it is, and null gives the tenant the server's."""
+
+    max_active_jobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=LIMIT_MAX,
+        description="Jobs it may have starting, running or cancelling at once (0: none start; the "
+        "running ones go on); null: the server's TPUTUNE_TENANT_MAX_ACTIVE_JOBS.",
+    )
+    max_active_chips: int | None = Field(
+        default=None,
+        ge=1,
+        le=LIMIT_MAX,
+        description="TPU chips (local executor: processes) its active jobs may hold at once; null: the "
+        "server's TPUTUNE_TENANT_MAX_ACTIVE_CHIPS.",
+    )
+
+    model_config = {
+        "extra": "forbid",
+        "json_schema_extra": {"examples": [{"max_active_jobs": 4, "max_active_chips": 64}]},
+    }
+
+
+_admin_errors: dict[int | str, dict] = {
+    403: {"model": ErrorResponse, "description": "Not an admin key."},
+}
+TenantName = Annotated[str, Path(min_length=1, max_length=64, pattern=TENANT_NAME)]
+
+
+def _tenant(session: Session, settings: Settings, name: str) -> TenantPublic:
+    return TenantPublic.of(
+        name, session.get(Tenant, name), usage(session, settings, name).get(name), settings
+    )
+
+
+@router.get(
+    "/tenant",
+    response_model=TenantPublic,
+    summary="Your team: its limits, and what its jobs hold now",
+)
+def own_tenant(principal: PrincipalDep, session: SessionDep, settings: SettingsDep) -> Response:
+    """The tenant of the caller's key (of an admin key: the one it was made for)."""
+    return json_response(_tenant(session, settings, principal.tenant))
+
+
+@router.get(
+    "/admin/tenants",
+    response_model=TenantList,
+    responses=_admin_errors,
+    summary="Every tenant: limits and use",
+)
+def list_tenants(session: SessionDep, settings: SettingsDep, _admin: LimitsAdminDep) -> Response:
+    """Every tenant that has limits of its own, API keys, or unfinished jobs, by name."""
+    rows = {row.name: row for row in session.exec(select(Tenant))}
+    used = usage(session, settings)
+    names = set(rows) | set(used) | set(session.exec(select(ApiKey.tenant).distinct()))
+    data = [TenantPublic.of(name, rows.get(name), used.get(name), settings) for name in sorted(names)]
+    return json_response(TenantList(data=data))
+
+
+@router.get(
+    "/admin/tenants/{name}",
+    response_model=TenantPublic,
+    responses=_admin_errors,
+    summary="A tenant's limits and use",
+)
+def get_tenant(
+    name: TenantName, session: SessionDep, settings: SettingsDep, _admin: LimitsAdminDep
+) -> Response:
+    """Any tenant name: one without keys or jobs yet has the server's limits and uses nothing."""
+    return json_response(_tenant(session, settings, name))
+
+
+@router.patch(
+    "/admin/tenants/{name}",
+    response_model=TenantPublic,
+    responses=_admin_errors,
+    summary="Set a tenant's limits",
+)
+def set_tenant_limits(
+    name: TenantName,
+    body: TenantLimitsUpdate,
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    admin: LimitsAdminDep,
+) -> Response:
+    """The fields given change; null gives the tenant the server's limit back. Its queued jobs start at
+    once if they now fit; running jobs go on even if they no longer do. A lower chip limit refuses new
+    jobs bigger than it (a job already queued that needs more waits, saying so)."""
+    changes = body.model_dump(include=body.model_fields_set)
+    row = session.get(Tenant, name)
+    for attempt in range(2):
+        if row is None:
+            row = Tenant(name=name)
+        for field, value in changes.items():
+            setattr(row, field, value)
+        row.updated_at, row.updated_by = utcnow(), admin.who
+        session.add(row)
+        try:
+            session.commit()
+            break
+        except IntegrityError:  # another request made its row meanwhile: change that one
+            session.rollback()
+            if attempt:
+                raise
+            row = session.get(Tenant, name)
+    assert row is not None
+    log.info("tenant %s: limits %s set by %s", name, changes, admin.who or "the single user")
+    request.app.state.tenant_limits.put(row)
+    if request.app.state.dispatcher is not None:
+        request.app.state.dispatcher.wake()  # (queued jobs that now fit start)
+    return json_response(_tenant(session, settings, name))

@@ -1,0 +1,67 @@
+// The teams page: GET /admin/tenants, and each team's limits set with PATCH /admin/tenants/{name}.
+import { api, el } from "./common.js";
+
+const REFRESH_MS = 5000;
+const tbody = document.querySelector("#tenants tbody");
+const error = document.getElementById("tenants-error");
+const form = document.getElementById("limits");
+
+// "2 of 4", "2 of 8 (server)" where the limit is the server's, or "2" without one.
+function ofLimit(used, tenant, field) {
+  const limit = tenant.limits[field];
+  if (limit === null) return String(used);
+  return `${used} of ${limit}${tenant.own_limits[field] === null ? " (server)" : ""}`;
+}
+
+function row(tenant) {
+  const edit = el("button", { text: "Edit", attrs: { type: "button", "aria-label": `Edit ${tenant.name}` } });
+  edit.addEventListener("click", () => {
+    form.elements.tenant.value = tenant.name;
+    form.elements.jobs.value = tenant.own_limits.max_active_jobs ?? "";
+    form.elements.chips.value = tenant.own_limits.max_active_chips ?? "";
+    form.elements.jobs.focus();
+  });
+  const set = tenant.updated_at ? `${tenant.updated_by ?? ""} ${tenant.updated_at.slice(0, 16).replace("T", " ")}` : "";
+  return el("tr", { attrs: { "data-tenant": tenant.name } }, [
+    el("td", { text: tenant.name }),
+    el("td", { text: ofLimit(tenant.usage.active_jobs, tenant, "max_active_jobs"), className: "num jobs" }),
+    el("td", { text: ofLimit(tenant.usage.chips, tenant, "max_active_chips"), className: "num chips" }),
+    el("td", { text: tenant.usage.queued_jobs, className: "num queued" }),
+    el("td", { text: set.trim(), className: "muted" }),
+    el("td", {}, [edit]),
+  ]);
+}
+
+async function refresh() {
+  try {
+    const page = await api("/admin/tenants");
+    tbody.replaceChildren(...page.data.map(row));
+  } catch (err) {
+    error.textContent = err.message;
+    error.hidden = false;
+  }
+}
+
+form.addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const data = new FormData(form);
+  const number = (name) => (data.get(name) === "" ? null : Number(data.get(name)));
+  try {
+    await api(`/admin/tenants/${encodeURIComponent(data.get("tenant"))}`, {
+      method: "PATCH",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ max_active_jobs: number("jobs"), max_active_chips: number("chips") }),
+    });
+    error.hidden = true;
+    form.reset();
+  } catch (err) {
+    error.textContent = err.message;
+    error.hidden = false;
+  }
+  await refresh();
+});
+
+refresh();
+setInterval(() => {
+  if (!document.hidden) refresh();
+}, REFRESH_MS);

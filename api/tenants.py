@@ -1,0 +1,118 @@
+"""Each tenant's limits on what its jobs hold at once: its own, where an admin set them (the `tenants`
+table, PATCH /admin/tenants/{name}), else the server's (TPUTUNE_TENANT_MAX_ACTIVE_JOBS/CHIPS). Over a
+limit a job waits `queued` with the reason (api.dispatcher); a job bigger than the chip limit is refused
+when it is submitted (api.validation.check_spec), as it could never start."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import anyio
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, func, select
+
+from api.models import Job, Tenant
+from api.settings import Settings
+from api.states import ACTIVE, JobStatus
+from api.validation import held_chips
+
+log = logging.getLogger(__name__)
+
+CACHE_SECONDS = 5.0  # how long an API process uses the limits it read, for the check of a new job
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What holds for a tenant now (None: no limit)."""
+
+    max_active_jobs: int | None
+    max_active_chips: int | None
+
+    @classmethod
+    def of(cls, row: Tenant | None, settings: Settings) -> Limits:
+        """A tenant's own limits (`row`), each one it has no own of being the server's."""
+        jobs = row.max_active_jobs if row is not None else None
+        chips = row.max_active_chips if row is not None else None
+        return cls(
+            jobs if jobs is not None else settings.tenant_max_active_jobs,
+            chips if chips is not None else settings.tenant_max_active_chips,
+        )
+
+    @property
+    def any(self) -> bool:
+        return self.max_active_jobs is not None or self.max_active_chips is not None
+
+
+def load(session: Session) -> dict[str, Tenant]:
+    """Every tenant that has limits of its own, by name (a small table: one row a team)."""
+    return {row.name: row for row in session.exec(select(Tenant))}
+
+
+@dataclass
+class Usage:
+    """What a tenant's unfinished jobs are and hold now."""
+
+    active_jobs: int = 0  # starting, running or cancelling: what max_active_jobs counts
+    queued_jobs: int = 0
+    chips: int = 0  # what its active jobs hold: what max_active_chips counts
+
+
+def usage(session: Session, settings: Settings, tenant: str | None = None) -> dict[str, Usage]:
+    """Each tenant's usage (or only `tenant`'s), for the tenants with unfinished jobs."""
+    statuses = [JobStatus.queued.value, *(status.value for status in ACTIVE)]
+    counts = select(Job.tenant, Job.status, func.count()).where(col(Job.status).in_(statuses))
+    active = select(Job.id, Job.tenant, Job.spec).where(col(Job.status).in_([s.value for s in ACTIVE]))
+    if tenant is not None:
+        counts, active = counts.where(Job.tenant == tenant), active.where(Job.tenant == tenant)
+    found: dict[str, Usage] = {}
+    for name, status, count in session.exec(counts.group_by(Job.tenant, Job.status)):
+        entry = found.setdefault(name, Usage())
+        if status == JobStatus.queued.value:
+            entry.queued_jobs += count
+        else:
+            entry.active_jobs += count
+    for row in session.exec(active):  # (id, tenant, spec)
+        found.setdefault(row[1], Usage()).chips += held_chips(row, settings)
+    return found
+
+
+class LimitsCache:
+    """The tenants' limits as one API process last read them, for the check of each new job (POST /jobs
+    reads no table of its own before the job writer's). Read again every CACHE_SECONDS, in the background
+    once there is a first read; a change made through this process holds here at once (`put`), in the
+    server's others within CACHE_SECONDS. The dispatcher reads the table on every pass: a job a stale
+    limit let in waits, with a reason, as any job over its tenant's limit does."""
+
+    def __init__(self, engine: Engine, settings: Settings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self._rows: dict[str, Tenant] | None = None
+        self._read_at = -float("inf")
+        self._reading: asyncio.Task[None] | None = None
+
+    async def of(self, tenant: str) -> Limits:
+        if time.monotonic() - self._read_at >= CACHE_SECONDS and self._reading is None:
+            self._reading = asyncio.create_task(self._read())
+        if self._rows is None and self._reading is not None:
+            await asyncio.shield(self._reading)  # (the first read: nothing to go on before it)
+        return Limits.of((self._rows or {}).get(tenant), self.settings)
+
+    async def _read(self) -> None:
+        try:
+            self._rows = await anyio.to_thread.run_sync(self._load)
+        except Exception as error:  # (the server's limits meanwhile; the job writer says if the DB is away)
+            log.warning("could not read the tenants' limits: %s", error)
+        finally:
+            self._read_at = time.monotonic()  # (also after a failure: the next try in CACHE_SECONDS)
+            self._reading = None
+
+    def _load(self) -> dict[str, Tenant]:
+        with Session(self.engine, expire_on_commit=False) as session:
+            return load(session)
+
+    def put(self, row: Tenant) -> None:
+        """A tenant's limits, just written by this process."""
+        self._rows = {**(self._rows or {}), row.name: row}

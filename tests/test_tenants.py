@@ -1,0 +1,239 @@
+"""Each tenant's own limits (PATCH /admin/tenants/{name}): what a team sees of them, what the API refuses
+and what the dispatcher holds back; on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import update
+from sqlmodel import Session
+
+from api import tenants
+from api.main import create_app
+from api.models import Job
+from api.settings import Settings
+from tests.test_auth import ADMIN, bearer, make_key
+
+FINAL = {"succeeded", "failed", "cancelled"}
+
+
+def server(make_settings: Callable[..., Settings]) -> TestClient:
+    """An API process with keys on, no dispatcher, and a server-wide chip limit of 8."""
+    settings = make_settings(
+        dispatcher_enabled=False,
+        admin_key=ADMIN,
+        rate_limit_per_second=0,
+        tenant_max_active_chips=8,
+        max_local_processes=8,
+    )
+    return TestClient(create_app(settings))
+
+
+@pytest.fixture
+def app_client(make_settings: Callable[..., Settings]) -> Iterator[TestClient]:
+    with server(make_settings) as test_client:
+        yield test_client
+
+
+def body(dataset: Path, processes: int = 1, fake: str = "succeed") -> dict[str, Any]:
+    return {
+        "name": f"fake-{fake}",
+        "model": "tiny",
+        "dataset_uri": str(dataset),
+        "resources": {"processes": processes},
+        "hyperparameters": {"batch_size": 24},
+        "metadata": {"fake": fake},
+    }
+
+
+def limits(jobs: int | None, chips: int | None) -> dict[str, int | None]:
+    return {"max_active_jobs": jobs, "max_active_chips": chips}
+
+
+def test_an_admin_sets_a_tenants_limits_and_the_team_sees_them(app_client: TestClient, dataset: Path) -> None:
+    research, vision = make_key(app_client, "research"), make_key(app_client, "vision")
+    mine = app_client.get("/tenant", headers=bearer(research))
+    assert mine.status_code == 200, mine.text
+    assert mine.json() == {
+        "object": "tenant",
+        "name": "research",
+        "limits": limits(None, 8),  # the server's
+        "own_limits": limits(None, None),
+        "usage": {"active_jobs": 0, "queued_jobs": 0, "chips": 0},
+        "chip_unit": "processes",
+        "updated_at": None,
+        "updated_by": None,
+    }
+
+    refused = app_client.patch(
+        "/admin/tenants/research", json={"max_active_jobs": 9}, headers=bearer(research)
+    )
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_only"
+    assert "may set tenants' limits" in refused.json()["error"]["message"]
+    assert app_client.get("/admin/tenants", headers=bearer(research)).status_code == 403
+    assert app_client.get("/admin/tenants/vision", headers=bearer(research)).status_code == 403
+
+    admin = bearer(ADMIN)
+    set_both = app_client.patch("/admin/tenants/research", json=limits(1, 2), headers=admin)
+    assert set_both.status_code == 200, set_both.text
+    assert set_both.json()["limits"] == set_both.json()["own_limits"] == limits(1, 2)
+    assert set_both.json()["updated_by"] == "the admin" and set_both.json()["updated_at"]
+    # A field left out stays; null gives the server's back.
+    back = app_client.patch("/admin/tenants/research", json={"max_active_chips": None}, headers=admin)
+    assert back.json()["own_limits"] == limits(1, None) and back.json()["limits"] == limits(1, 8)
+    assert app_client.get("/tenant", headers=bearer(research)).json()["limits"] == limits(1, 8)
+    assert app_client.get("/tenant", headers=bearer(vision)).json()["limits"] == limits(None, 8)
+
+    for wrong, param in [
+        ({"max_active_jobs": -1}, "max_active_jobs"),
+        ({"max_active_chips": 0}, "max_active_chips"),
+        ({"max_active_jobs": "many"}, "max_active_jobs"),
+        ({"max_jobs": 3}, "max_jobs"),
+    ]:
+        response = app_client.patch("/admin/tenants/research", json=wrong, headers=admin)
+        assert response.status_code == 422, (wrong, response.text)
+        assert response.json()["error"]["param"].endswith(param), response.json()
+    bad_name = app_client.patch("/admin/tenants/Bad%20Name", json=limits(1, 1), headers=admin)
+    assert bad_name.status_code == 422
+    assert app_client.get("/tenant", headers=bearer(research)).json()["own_limits"] == limits(1, None)
+
+    # Every team with a key, limits or jobs, with what its jobs hold.
+    assert app_client.post("/jobs", json=body(dataset, 2), headers=bearer(vision)).status_code == 201
+    made = app_client.patch("/admin/tenants/newteam", json={"max_active_chips": 16}, headers=admin)
+    assert made.json()["usage"] == {"active_jobs": 0, "queued_jobs": 0, "chips": 0}
+    listed = app_client.get("/admin/tenants", headers=admin).json()["data"]
+    assert [t["name"] for t in listed] == ["newteam", "research", "vision"]
+    by_name = {t["name"]: t for t in listed}
+    assert by_name["vision"]["usage"] == {"active_jobs": 0, "queued_jobs": 1, "chips": 0}
+    assert by_name["newteam"]["limits"] == limits(None, 16)
+    one = app_client.get("/admin/tenants/vision", headers=admin).json()
+    assert one == by_name["vision"]
+    unknown = app_client.get("/admin/tenants/nobody", headers=admin).json()
+    assert unknown["limits"] == limits(None, 8) and unknown["usage"]["queued_jobs"] == 0
+
+
+def test_usage_counts_active_jobs_and_their_chips(app_client: TestClient, dataset: Path) -> None:
+    research = bearer(make_key(app_client, "research"))
+    ids = [app_client.post("/jobs", json=body(dataset, n), headers=research).json()["id"] for n in (1, 2, 3)]
+    engine = app_client.app.state.engine  # type: ignore[attr-defined]
+    with Session(engine) as session:  # (no dispatcher here: two of them as if it had started them)
+        for job_id, status in zip(ids, ["running", "cancelling"], strict=False):
+            session.execute(update(Job).where(Job.id == job_id).values(status=status))  # type: ignore[arg-type]
+        session.commit()
+    mine = app_client.get("/tenant", headers=research).json()
+    assert mine["usage"] == {"active_jobs": 2, "queued_jobs": 1, "chips": 3}
+
+
+def test_a_job_bigger_than_its_teams_chip_limit_is_refused(
+    app_client: TestClient,
+    dataset: Path,
+    make_settings: Callable[..., Settings],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tenants, "CACHE_SECONDS", 0.2)
+    research, vision = bearer(make_key(app_client, "research")), bearer(make_key(app_client, "vision"))
+    # Another process of the server (a replica) read the limits before the change.
+    with server(make_settings) as other:
+        for process in (app_client, other):  # (each has read the limits)
+            assert process.post("/jobs", json=body(dataset, 3), headers=research).status_code == 201
+
+        app_client.patch("/admin/tenants/research", json={"max_active_chips": 2}, headers=bearer(ADMIN))
+        refused = app_client.post("/jobs", json=body(dataset, 3), headers=research)  # (at once, here)
+        assert refused.status_code == 422, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "over_tenant_chip_limit" and error["param"] == "resources"
+        assert "needs 3 local processes, more than your team may use at once (2)" in error["message"]
+        assert app_client.post("/jobs", json=body(dataset, 2), headers=research).status_code == 201
+        assert app_client.post("/jobs", json=body(dataset, 3), headers=vision).status_code == 201
+
+        deadline = time.monotonic() + 5  # the other process: once it reads them again
+        while other.post("/jobs", json=body(dataset, 3), headers=research).status_code == 201:
+            assert time.monotonic() < deadline, "the other process kept the old limit"
+            time.sleep(0.1)
+        assert other.post("/jobs", json=body(dataset, 3), headers=vision).status_code == 201
+
+
+def test_concurrent_changes_to_a_new_tenant_all_succeed(app_client: TestClient) -> None:
+    """The first change makes the tenant's row: requests racing to make it do not fail."""
+
+    def change(n: int) -> int:
+        response = app_client.patch(
+            f"/admin/tenants/team{n % 3}", json={"max_active_jobs": n}, headers=bearer(ADMIN)
+        )
+        return response.status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        assert set(pool.map(change, range(24))) == {200}
+    listed = app_client.get("/admin/tenants", headers=bearer(ADMIN)).json()["data"]
+    assert [t["name"] for t in listed] == ["team0", "team1", "team2"]
+
+
+def test_the_dispatcher_holds_each_tenants_jobs_to_its_own_limits(live_api, dataset: Path) -> None:  # type: ignore[no-untyped-def]
+    api = live_api(admin_key=ADMIN, rate_limit_per_second=0, tenant_max_active_jobs=3, max_local_processes=8)
+    api.headers = bearer(ADMIN)
+    with api.client() as http:
+        keys = {}
+        for team in ("research", "vision"):
+            made = http.post("/admin/keys", json={"tenant": team, "name": team})
+            keys[team] = bearer(made.json()["key"])
+        assert http.patch("/admin/tenants/research", json={"max_active_jobs": 1}).status_code == 200
+
+        def submit(team: str, fake: str, processes: int = 1) -> str:
+            response = http.post("/jobs", json=body(dataset, processes, fake), headers=keys[team])
+            assert response.status_code == 201, response.text
+            return str(response.json()["id"])
+
+        first, second = submit("research", "slow"), submit("research", "slow")
+        api.headers = keys["research"]
+        api.wait_for(first, lambda j: j["status"] == "running")
+        waiting = api.wait_for(second, lambda j: "limit 1" in (j["status_message"] or ""))
+        assert waiting["status"] == "queued"
+        # vision has the server's limit (3): both run.
+        api.headers = keys["vision"]
+        for job_id in (submit("vision", "slow"), submit("vision", "slow")):
+            api.wait_for(job_id, lambda j: j["status"] == "running")
+
+        # Raised: the waiting job starts, without anything else changing.
+        assert http.patch("/admin/tenants/research", json={"max_active_jobs": 3}).status_code == 200
+        api.headers = keys["research"]
+        api.wait_for(second, lambda j: j["status"] == "running", timeout=15)
+        mine = http.get("/tenant", headers=keys["research"]).json()
+        assert mine["usage"] == {"active_jobs": 2, "queued_jobs": 0, "chips": 2}
+
+        # 0: nothing new starts; what runs goes on.
+        assert http.patch("/admin/tenants/research", json={"max_active_jobs": 0}).status_code == 200
+        third = submit("research", "succeed")
+        paused = api.wait_for(third, lambda j: "may run no jobs now" in (j["status_message"] or ""))
+        assert paused["status"] == "queued"
+        assert http.get(f"/jobs/{first}", headers=keys["research"]).json()["status"] == "running"
+
+        big = submit("research", "succeed", processes=2)  # (accepted: the chip limit is the server's 8)
+
+        # A chip limit lowered below what runs, and below a queued job's size: they wait, saying why.
+        lowered = http.patch("/admin/tenants/research", json=limits(None, 1))
+        assert lowered.json()["limits"] == limits(3, 1)
+        api.wait_for(
+            third,
+            lambda j: (
+                j["status_message"]
+                == ("Waiting: your team's running jobs hold 2 of its 1 processes; this job needs 1.")
+            ),
+        )
+        too_big = api.wait_for(big, lambda j: "more than your team may hold" in (j["status_message"] or ""))
+        assert too_big["status"] == "queued"
+        assert too_big["status_message"] == (
+            "Waiting: this job needs 2 processes, more than your team may hold at once (1); it starts if "
+            "an admin raises the limit, or cancel it."
+        )
+        for job_id in (first, second):
+            http.post(f"/jobs/{job_id}/cancel", headers=keys["research"])
+        assert api.wait_for(third, lambda j: j["status"] in FINAL, timeout=30)["status"] == "succeeded"
+        assert http.get(f"/jobs/{big}", headers=keys["research"]).json()["status"] == "queued"
+        assert http.patch("/admin/tenants/research", json={"max_active_chips": None}).status_code == 200
+        assert api.wait_for(big, lambda j: j["status"] in FINAL, timeout=30)["status"] == "succeeded"
