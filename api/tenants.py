@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -92,6 +93,9 @@ class LimitsCache:
         self._rows: dict[str, Tenant] | None = None
         self._read_at = -float("inf")
         self._reading: asyncio.Task[None] | None = None
+        # Rows `put` (by routes' threads) while a read was on its way: it may have read them before.
+        self._lock = threading.Lock()
+        self._put: dict[str, tuple[float, Tenant]] = {}
 
     async def of(self, tenant: str) -> Limits:
         if time.monotonic() - self._read_at >= CACHE_SECONDS and self._reading is None:
@@ -101,8 +105,15 @@ class LimitsCache:
         return Limits.of((self._rows or {}).get(tenant), self.settings)
 
     async def _read(self) -> None:
+        started = time.monotonic()
         try:
-            self._rows = await anyio.to_thread.run_sync(self._load)
+            rows = await anyio.to_thread.run_sync(self._load)
+            with self._lock:
+                for name, (when, row) in self._put.items():
+                    if when >= started:  # (written after the read began: it may hold the old row)
+                        rows[name] = row
+                self._put.clear()
+                self._rows = rows
         except Exception as error:  # (the server's limits meanwhile; the job writer says if the DB is away)
             log.warning("could not read the tenants' limits: %s", error)
         finally:
@@ -114,5 +125,7 @@ class LimitsCache:
             return load(session)
 
     def put(self, row: Tenant) -> None:
-        """A tenant's limits, just written by this process."""
-        self._rows = {**(self._rows or {}), row.name: row}
+        """A tenant's limits, just written by this process (from a route's thread)."""
+        with self._lock:
+            self._put[row.name] = (time.monotonic(), row)
+            self._rows = {**(self._rows or {}), row.name: row}

@@ -3,12 +3,15 @@ and what the dispatcher holds back; on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import update
@@ -16,7 +19,7 @@ from sqlmodel import Session
 
 from api import tenants
 from api.main import create_app
-from api.models import Job
+from api.models import Job, Tenant
 from api.settings import Settings
 from tests.test_auth import ADMIN, bearer, make_key
 
@@ -237,3 +240,42 @@ def test_the_dispatcher_holds_each_tenants_jobs_to_its_own_limits(live_api, data
         assert http.get(f"/jobs/{big}", headers=keys["research"]).json()["status"] == "queued"
         assert http.patch("/admin/tenants/research", json={"max_active_chips": None}).status_code == 200
         assert api.wait_for(big, lambda j: j["status"] in FINAL, timeout=30)["status"] == "succeeded"
+
+
+def test_a_change_made_here_outlives_a_read_that_began_before_it() -> None:
+    """An API process's cache of the limits, read again in the background: a read that began before a
+    change made through this process (it may hold the old row) does not put the old limit back."""
+    cache = tenants.LimitsCache(engine=None, settings=Settings(tenant_max_active_jobs=5))  # type: ignore[arg-type]
+    stored = {"research": Tenant(name="research", max_active_jobs=1)}
+    reading, release = threading.Event(), threading.Event()
+
+    def load() -> dict[str, Tenant]:
+        read = dict(stored)  # (what the database holds as the read begins)
+        reading.set()
+        assert release.wait(5)
+        return read
+
+    cache._load = load  # type: ignore[method-assign]
+
+    async def jobs_limit() -> int | None:
+        return (await cache.of("research")).max_active_jobs
+
+    async def scenario() -> list[int | None]:
+        release.set()
+        seen = [await jobs_limit()]  # the first read, awaited
+        release.clear()
+        reading.clear()
+        cache._read_at = -float("inf")  # (stale: the next call reads again, in the background)
+        seen.append(await jobs_limit())  # the old limit meanwhile
+        task = cache._reading
+        assert task is not None
+        await anyio.to_thread.run_sync(reading.wait, 5)  # the read holds the old row
+        stored["research"] = changed = Tenant(name="research", max_active_jobs=3)
+        cache.put(changed)  # (a PATCH through this process)
+        seen.append(await jobs_limit())
+        release.set()
+        await task
+        seen.append(await jobs_limit())
+        return seen
+
+    assert asyncio.run(scenario()) == [1, 1, 3, 3]
