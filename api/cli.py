@@ -79,6 +79,13 @@ def progress_line(job: dict[str, Any], width: int = 24) -> str:
     )
 
 
+def watch_line(job: dict[str, Any]) -> str:
+    """What `watch` shows: until the job runs, its status and why it waits; then `progress_line`."""
+    if job["status"] in ("queued", "starting") and job.get("status_message"):
+        return f"{job['status']}: {job['status_message']}"
+    return progress_line(job)
+
+
 def _print_job(job: dict[str, Any]) -> None:
     print(f"{job['id']}  {job['name']}  {job['model']} ({job['method']})  {job['status']}")
     if job.get("status_message"):
@@ -185,7 +192,7 @@ def _watch(client: Client, job_id: str, interval: float) -> int:
     last = ""
     while True:
         job = client.get_job(job_id)
-        line = progress_line(job)
+        line = watch_line(job)
         if line != last:
             print(("\r\x1b[2K" if tty else "") + line, end="" if tty else "\n", flush=True)
             last = line

@@ -346,7 +346,8 @@ class Dispatcher:
         if max_jobs == 0:
             return "Waiting: your team may run no jobs now (limit 0); ask your admin to raise it."
         if max_jobs is not None and len(active) >= max_jobs:
-            return f"Waiting: {len(active)} jobs of your team are running (limit {max_jobs})."
+            running = "1 job of your team is" if len(active) == 1 else f"{len(active)} jobs of your team are"
+            return f"Waiting: {running} running (limit {max_jobs})."
         if max_chips is not None:
             what = "TPU chips" if self.settings.executor == "kubernetes" else "processes"
             used = sum(held_chips(row, self.settings) for row in active)

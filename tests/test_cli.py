@@ -97,6 +97,36 @@ def test_watch_exit_codes_and_cancel(live_api, dataset: Path, capsys) -> None:  
     assert time.monotonic() - started < 20
 
 
+def test_watch_says_why_a_job_waits_until_it_runs(live_api, dataset: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    api = live_api(tenant_max_active_jobs=1)
+    code, out, _ = run(api, capsys, "submit", "--name", "a", "--model", "tiny", "--dataset", str(dataset),
+                       "--set", "metadata.fake=slow")  # fmt: skip
+    running = out.split()[1]
+    code, out, _ = run(api, capsys, "submit", "--name", "b", "--model", "tiny", "--dataset", str(dataset),
+                       "--set", "metadata.fake=succeed")  # fmt: skip
+    waiting = out.split()[1]
+    with api.client() as http:
+        deadline = time.monotonic() + 20
+        while "limit 1" not in (http.get(f"/jobs/{waiting}").json()["status_message"] or ""):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+    def cancel_the_running_one() -> None:
+        with api.client() as http:
+            http.post(f"/jobs/{running}/cancel")
+
+    cancel = threading.Timer(1.0, cancel_the_running_one)
+    cancel.start()
+    try:
+        code, out, _ = run(api, capsys, "watch", waiting, "--interval", "0.2")
+    finally:
+        cancel.join()
+    lines = out.splitlines()
+    assert code == 0 and lines[-1] == f"{waiting} succeeded"
+    assert lines[0] == "queued: Waiting: 1 job of your team is running (limit 1)."
+    assert any(line.startswith("[") and line.endswith("succeeded") for line in lines)
+
+
 def test_api_errors_are_sentences(live_api, dataset: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     api = live_api()
     code, _out, err = run(
