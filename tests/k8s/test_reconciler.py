@@ -399,3 +399,48 @@ def test_cancel_while_the_jobset_cannot_be_created_leaves_nothing(
     assert api.wait_for(job_id, lambda j: j["status"] in FINAL)["status"] == "cancelled"
     assert_cleaned_up(fake_k8s, job_id)
     assert fake_k8s.count("create", "jobsets") >= 1 and fake_k8s.select("jobsets", NAMESPACE) == []
+
+
+def test_a_teams_chip_limit_counts_tpu_chips(
+    k8s_api: Callable[..., LiveApi], cluster: Cluster, fake_k8s: FakeKubernetes, dataset_uri: str
+) -> None:
+    """A team's own chip limit on Kubernetes counts each job's TPU chips: what does not fit waits with no
+    JobSet, what never could is refused, and the next job launches when a running one ends."""
+    api = k8s_api()
+    with api.client() as http:
+        set_limit = http.patch("/admin/tenants/default", json={"max_active_chips": 8})
+        assert set_limit.json()["limits"]["max_active_chips"] == 8
+        big = {
+            "name": "big",
+            "model": "tiny",
+            "dataset_uri": dataset_uri,
+            "hyperparameters": {"batch_size": 16},
+        }
+        refused = http.post("/jobs", json={**big, "resources": {"accelerator": "v6e", "topology": "4x4"}})
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["error"]["code"] == "over_tenant_chip_limit"
+        assert (
+            "needs 16 TPU chips, more than your team may use at once (8)"
+            in refused.json()["error"]["message"]
+        )
+    first = submit(api, dataset_uri)  # 2x4: 8 chips
+    second = submit(api, dataset_uri, resources={"accelerator": "v6e", "topology": "2x2"})
+    running(api, cluster, first)
+    waiting = api.wait_for(second, lambda j: "TPU chips" in (j["status_message"] or ""))
+    assert waiting["status"] == "queued"
+    assert (
+        waiting["status_message"]
+        == "Waiting: your team's running jobs hold 8 of its 8 TPU chips; this job needs 4."
+    )
+    assert cluster.jobset(second) is None
+    with api.client() as http:
+        mine = http.get("/tenant").json()
+    assert mine["chip_unit"] == "TPU chips" and mine["usage"] == {
+        "active_jobs": 1,
+        "queued_jobs": 1,
+        "chips": 8,
+    }
+    cluster.complete(first)
+    assert api.wait_for(first, lambda j: j["status"] in FINAL)["status"] == "succeeded"
+    cluster.wait_jobset(second)
+    assert fake_k8s.count("create", "jobsets") == 2
