@@ -388,6 +388,17 @@ def tenants(args: argparse.Namespace) -> int:
     return 0
 
 
+def usage(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        report = client.usage(args.since, args.until, args.tenant)
+    print(f"from {_when(report['since'])} to {_when(report['until'])} UTC ({report['chip_unit']})")
+    print(f"{'TENANT':<20} {'JOBS':>6} {'CHIP-HOURS':>12} {'TOKENS':>16}")
+    for row in report["data"]:
+        hours, tokens = f"{row['chip_hours']:,.2f}", f"{row['trained_tokens']:,}"
+        print(f"{row['tenant']:<20} {row['jobs']:>6} {hours:>12} {tokens:>16}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="tputune", description="Fine-tune Gemma 3 with JAX on TPUs.")
     root.add_argument("--api-url", help="API base URL (env TPUTUNE_API_URL, default http://127.0.0.1:8000)")
@@ -516,6 +527,12 @@ def parser() -> argparse.ArgumentParser:
         help="TPU chips (local executor: processes) its active jobs may hold; 'default': the server's",
     )
     p.set_defaults(func=tenants)
+
+    p = commands.add_parser("usage", help="chip-hours and tokens each team's jobs ran (your own team's)")
+    p.add_argument("--since", help="from (ISO 8601, e.g. 2026-11-01; default: 30 days before --until)")
+    p.add_argument("--until", help="until (ISO 8601; default: now)")
+    p.add_argument("--tenant", help="only this tenant's (an admin key sees every tenant's)")
+    p.set_defaults(func=usage)
 
     p = commands.add_parser("demo", help="fine-tune Gemma 3 270M on generated stories, end to end")
     p.add_argument("--port", type=int, default=8765)

@@ -185,6 +185,16 @@ class Client:
         """Change `max_active_jobs` and/or `max_active_chips` (None: the server's limit holds again)."""
         return self._request("PATCH", f"/admin/tenants/{name}", json=limits)
 
+    def usage(
+        self, since: str | None = None, until: str | None = None, tenant: str | None = None
+    ) -> dict[str, Any]:
+        """Each team's jobs that ran between `since` and `until` (ISO 8601; default: the last 30 days):
+        chip-hours and trained tokens. A tenant's key sees its own team's."""
+        params = {
+            name: value for name, value in (("since", since), ("until", until), ("tenant", tenant)) if value
+        }
+        return self._request("GET", "/usage", params=params)
+
     def follow_events(self, job_id: str, after: int | None = None) -> Iterator[dict[str, Any]]:
         """Events as they happen (Server-Sent Events), until the job ends; reconnects and resumes, also
         after a 429 (the server or this key follows as many streams as it may) or 503, when Retry-After

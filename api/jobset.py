@@ -23,6 +23,7 @@ from worker.config import (
     ENV_JOB_TOKEN,
     EXIT_BAD_INPUT,
     JobSpec,
+    Resources,
     WorkerConfig,
 )
 
@@ -88,7 +89,10 @@ def _metadata(job: Job, settings: Settings, name: str) -> dict[str, Any]:
 
 
 def tpu_request(spec: JobSpec, settings: Settings) -> tpu.TpuRequest:
-    res = spec.resources
+    return resources_request(spec.resources, settings)
+
+
+def resources_request(res: Resources, settings: Settings) -> tpu.TpuRequest:
     return tpu.resolve(res.accelerator, res.topology, res.slices, tuple(settings.k8s_tpu_machine_types))
 
 

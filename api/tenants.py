@@ -10,15 +10,19 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from datetime import datetime
 
 import anyio
+from sqlalchemy import case, literal, or_
+from sqlalchemy import select as sa_select
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, func, select
 
-from api.models import Job, Tenant
+from api.models import Job, Tenant, utcnow
 from api.settings import Settings
 from api.states import ACTIVE, JobStatus
-from api.validation import held_chips
+from api.validation import held_chips, resource_chips
+from worker.config import Resources
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +81,66 @@ def usage(session: Session, settings: Settings, tenant: str | None = None) -> di
             entry.active_jobs += count
     for row in session.exec(active):  # (id, tenant, spec)
         found.setdefault(row[1], Usage()).chips += held_chips(row, settings)
+    return found
+
+
+@dataclass
+class Spent:
+    """What a tenant's jobs ran in a window of time (`spent`)."""
+
+    jobs: int = 0  # that ran in it, for some of it at least
+    chip_seconds: float = 0.0  # chips (local executor: processes) times the seconds each held them, in it
+    trained_tokens: int = 0  # of those jobs, all of each (whenever trained)
+
+
+def spent(
+    session: Session, settings: Settings, since: datetime, until: datetime, tenant: str | None = None
+) -> dict[str, Spent]:
+    """Each tenant's jobs that ran between `since` and `until` (or only `tenant`'s), what they held then.
+    A job runs from its first report (`started_at`, status running) until it ends (`finished_at`, or now):
+    the minutes before (pods scheduled, the image pulled, the model loaded) are not counted, and a job
+    preempted and resumed counts the time between too.
+
+    Summed in the database, by tenant and resources (a few shapes serve many jobs): with 50,000 jobs in
+    the window, adding them up here took 0.56 s of the interpreter; summed there, 0.24 s on SQLite (in
+    its library, not holding the GIL) and 0.06 s on PostgreSQL (bench/usage_report.py)."""
+    until = min(until, utcnow())  # (what runs now has run until now)
+    if since >= until:
+        return {}
+    c = Job.__table__.c  # type: ignore[attr-defined]
+    at = c.started_at.type
+    since_p, until_p = literal(since, at), literal(until, at)
+    start = case((c.started_at > since_p, c.started_at), else_=since_p)
+    ended = func.coalesce(c.finished_at, until_p)
+    end = case((ended < until_p, ended), else_=until_p)
+    if session.get_bind().dialect.name == "sqlite":
+        seconds = (func.julianday(end) - func.julianday(start)) * 86_400.0
+    else:
+        seconds = func.extract("epoch", end - start)
+    shape = c.spec["resources"].as_string()  # (its JSON text)
+    query = (
+        sa_select(c.tenant, shape, func.count(), func.sum(seconds), func.sum(c.trained_tokens))
+        .where(
+            c.started_at.is_not(None),
+            c.started_at < until,
+            or_(c.finished_at.is_(None), c.finished_at > since),
+        )
+        .group_by(c.tenant, shape)
+    )
+    if tenant is not None:
+        query = query.where(c.tenant == tenant)
+    chips: dict[str | None, int] = {}
+    found: dict[str, Spent] = {}
+    for name, resources, jobs, held, tokens in session.connection().execute(query):
+        if resources not in chips:
+            try:
+                chips[resources] = resource_chips(Resources.model_validate_json(resources or "{}"), settings)
+            except Exception:  # (a shape this server's settings no longer accept: it cannot tell)
+                chips[resources] = 0
+        entry = found.setdefault(name, Spent())
+        entry.jobs += jobs
+        entry.chip_seconds += chips[resources] * max(0.0, float(held or 0))
+        entry.trained_tokens += int(tokens or 0)
     return found
 
 

@@ -9,10 +9,10 @@ from typing import Any
 
 from api import tpu
 from api.errors import ApiError
-from api.jobset import tpu_request
+from api.jobset import resources_request, tpu_request
 from api.models import job_spec
 from api.settings import Settings
-from worker.config import TINY_MODEL, JobSpec
+from worker.config import TINY_MODEL, JobSpec, Resources
 
 
 def _under_roots(path: str, roots: list[Path]) -> bool:
@@ -191,6 +191,11 @@ def held_chips(job: Any, settings: Settings) -> int:
 def job_chips(spec: JobSpec, settings: Settings) -> int:
     """What a job holds while it runs, for the tenant cap: its TPU chips (every slice) on Kubernetes,
     its processes (each stands in for a TPU VM) on the local executor."""
+    return resource_chips(spec.resources, settings)
+
+
+def resource_chips(resources: Resources, settings: Settings) -> int:
+    """`job_chips` of a job with these resources."""
     if settings.executor == "kubernetes":
-        return tpu_request(spec, settings).devices
-    return spec.resources.processes or 1
+        return resources_request(resources, settings).devices
+    return resources.processes or 1

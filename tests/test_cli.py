@@ -307,3 +307,15 @@ def test_tenants_commands(live_api, capsys) -> None:  # type: ignore[no-untyped-
     assert "expected a number or 'default'" in capsys.readouterr().err
     code, _, err = run(api, capsys, *admin, "tenants", "set", "ops")
     assert code == 2 and "--max-jobs and/or --max-chips" in err
+
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 7 * 86400))
+    code, out, _ = run(api, capsys, *member, "usage", "--since", since)
+    lines = out.splitlines()
+    assert code == 0 and lines[0].startswith(f"from {since[:10]} {since[11:16]} to ")
+    assert lines[0].endswith(" UTC (processes)")
+    assert [line.split() for line in lines[1:]] == [
+        ["TENANT", "JOBS", "CHIP-HOURS", "TOKENS"],
+        ["research", "0", "0.00", "0"],
+    ]
+    code, _, err = run(api, capsys, *member, "usage", "--tenant", "ops")
+    assert code == 3 and "(admin_only)" in err

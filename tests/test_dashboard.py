@@ -11,7 +11,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from playwright.sync_api import Browser, ConsoleMessage, Page, Request, expect, sync_playwright
-from sqlmodel import Session, select
+from sqlalchemy import create_engine, update
+from sqlmodel import Session, col, select
 
 from api.auth import COOKIE_NAME, DEFAULT_TENANT
 from api.jobs import new_job_token, transition
@@ -568,7 +569,12 @@ def test_the_teams_page_sets_limits_and_a_team_sees_its_own(
     with api.client() as http:
         member = http.post("/admin/keys", json={"tenant": "alpha", "name": "b"}, headers=admin).json()["key"]
     api.headers = {"Authorization": f"Bearer {member}"}
-    create(api, dataset, "alpha job")
+    job_id = create(api, dataset, "alpha job")
+    engine = create_engine(api.settings.resolved_database_url)  # (as if it had run for 90 minutes)
+    with engine.begin() as connection:
+        started = datetime.now(UTC) - timedelta(minutes=90)
+        connection.execute(update(Job).where(col(Job.id) == job_id).values(started_at=started))
+    engine.dispose()
 
     tab = open_tab(api, "/ui/")
     page = sign_in(tab.page, ADMIN)
@@ -579,12 +585,13 @@ def test_the_teams_page_sets_limits_and_a_team_sees_its_own(
     expect(alpha.locator(".jobs")).to_have_text("0")  # (no limit on jobs)
     expect(alpha.locator(".chips")).to_have_text("0 of 8 (server)")
     expect(alpha.locator(".queued")).to_have_text("1")
+    expect(alpha.locator(".spent")).to_have_text("1.5")  # (chip-hours in 30 days: 1 process, 90 min)
 
     page.get_by_label("Tenant", exact=True).fill("alpha")
     page.get_by_label("Jobs active at once").fill("1")
     page.get_by_role("button", name="Save limits").click()
     expect(alpha.locator(".jobs")).to_have_text("0 of 1")
-    expect(alpha.locator("td").nth(4)).to_contain_text("the admin")
+    expect(alpha.locator("td").nth(5)).to_contain_text("the admin")
     expect(page.get_by_label("Tenant", exact=True)).to_have_value("")  # (the form is cleared)
     page.get_by_role("button", name="Edit alpha").click()  # (the form holds its own limits)
     expect(page.get_by_label("Tenant", exact=True)).to_have_value("alpha")

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -279,3 +280,64 @@ def test_a_change_made_here_outlives_a_read_that_began_before_it() -> None:
         return seen
 
     assert asyncio.run(scenario()) == [1, 1, 3, 3]
+
+
+def test_usage_reports_each_teams_chip_hours_and_tokens(app_client: TestClient, dataset: Path) -> None:
+    research, vision = bearer(make_key(app_client, "research")), bearer(make_key(app_client, "vision"))
+    idle = bearer(make_key(app_client, "idle"))
+    now = datetime.now(UTC)
+    hour, day = timedelta(hours=1), timedelta(days=1)
+    # (processes, key, started, finished, tokens): the history as the dispatcher and workers would write it
+    history = [
+        (2, research, now - 3 * hour, now - hour, 1_000),  # 2 processes for 2 h
+        (1, research, now - 40 * day, now - 29 * day, 500),  # one day of it in the last 30
+        (1, research, now - 60 * day, now - 31 * day, 7),  # before the window
+        (1, vision, now - 2 * hour, None, 300),  # running: until now
+        (1, vision, None, None, 0),  # never ran
+    ]
+    engine = app_client.app.state.engine  # type: ignore[attr-defined]
+    for processes, key, started, finished, tokens in history:
+        job_id = app_client.post("/jobs", json=body(dataset, processes), headers=key).json()["id"]
+        with Session(engine) as session:
+            values = {"started_at": started, "finished_at": finished, "trained_tokens": tokens}
+            session.execute(update(Job).where(Job.id == job_id).values(**values))  # type: ignore[arg-type]
+            session.commit()
+
+    def report(key: dict[str, str], **params: str) -> dict[str, Any]:
+        response = app_client.get("/usage", params=params, headers=key)
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    every = report(bearer(ADMIN))
+    assert every["chip_unit"] == "processes"
+    assert datetime.fromisoformat(every["until"]) - datetime.fromisoformat(every["since"]) == 30 * day
+    rows = {row["tenant"]: row for row in every["data"]}
+    assert rows.keys() == {"research", "vision"}  # (idle ran nothing)
+    assert rows["research"]["jobs"] == 2 and rows["research"]["trained_tokens"] == 1_500
+    assert rows["research"]["chip_hours"] == pytest.approx(2 * 2 + 24, abs=0.01)
+    assert rows["vision"]["jobs"] == 1 and rows["vision"]["chip_hours"] == pytest.approx(2, abs=0.01)
+
+    # A window: what ran in it only.
+    since, until = (now - 2.5 * hour).isoformat(), (now - 1.5 * hour).isoformat()
+    rows = {row["tenant"]: row for row in report(bearer(ADMIN), since=since, until=until)["data"]}
+    assert rows["research"]["chip_hours"] == pytest.approx(2 * 1, abs=0.001)
+    assert rows["vision"]["chip_hours"] == pytest.approx(0.5, abs=0.001)
+
+    # A team sees its own, and its line also when it ran nothing; not another team's.
+    assert [row["tenant"] for row in report(research)["data"]] == ["research"]
+    assert report(idle)["data"] == [{"tenant": "idle", "jobs": 0, "chip_hours": 0.0, "trained_tokens": 0}]
+    other = app_client.get("/usage", params={"tenant": "vision"}, headers=research)
+    assert other.status_code == 403 and other.json()["error"]["code"] == "admin_only"
+    assert [row["tenant"] for row in report(bearer(ADMIN), tenant="vision")["data"]] == ["vision"]
+    assert report(vision, tenant="vision")["data"][0]["jobs"] == 1
+
+    for params, code in [
+        ({"since": until, "until": since}, "empty_window"),
+        ({"since": "yesterday"}, "invalid_request"),
+        ({"until": "0001-01-01T00:00:00+05:00"}, "invalid_time"),
+    ]:
+        refused = app_client.get("/usage", params=params, headers=research)
+        assert refused.status_code == 422, (params, refused.text)
+        assert refused.json()["error"]["code"] == code, refused.json()
+    early = report(research, until="0001-01-02T00:00:00Z")  # (30 days before: the start of time)
+    assert early["data"][0]["jobs"] == 0

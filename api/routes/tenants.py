@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import logging
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Request, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 from pydantic import BaseModel, Field
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, select
 
 from api.deps import LimitsAdminDep, PrincipalDep, SessionDep, SettingsDep, json_response
+from api.errors import ApiError
 from api.models import ApiKey, Tenant, as_utc, utcnow
 from api.schemas import ErrorResponse, error_responses
 from api.settings import Settings
-from api.tenants import Limits, Usage, usage
+from api.tenants import Limits, Spent, Usage, spent, usage
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +72,14 @@ class TenantPublic(BaseModel):
                 max_active_chips=row.max_active_chips if row else None,
             ),
             usage=TenantUsage(**vars(used or Usage())),
-            chip_unit="TPU chips" if settings.executor == "kubernetes" else "processes",
+            chip_unit=_chip_unit(settings),
             updated_at=as_utc(row.updated_at) if row else None,
             updated_by=row.updated_by if row else None,
         )
+
+
+def _chip_unit(settings: Settings) -> str:
+    return "TPU chips" if settings.executor == "kubernetes" else "processes"
 
 
 class TenantList(BaseModel):
@@ -196,3 +201,95 @@ def set_tenant_limits(
     if request.app.state.dispatcher is not None:
         request.app.state.dispatcher.wake()  # (queued jobs that now fit start)
     return json_response(_tenant(session, settings, name))
+
+
+class TenantSpent(BaseModel):
+    tenant: str
+    jobs: int = Field(description="Jobs that ran in the window, for some of it at least.")
+    chip_hours: float = Field(
+        description="Chips (local executor: processes) times the hours each job held them, in the window: "
+        "from its first report (running) until it ended, or now."
+    )
+    trained_tokens: int = Field(description="The tokens those jobs trained on, all of each.")
+
+
+class UsageReport(BaseModel):
+    object: str = "usage"
+    since: datetime
+    until: datetime
+    chip_unit: str = Field(description="What `chip_hours` counts: `TPU chips` or (local) `processes`.")
+    data: list[TenantSpent] = Field(description="By tenant; one that ran nothing is left out.")
+
+
+USAGE_DAYS = 30  # the window when no `since` is given
+
+
+def _utc(value: datetime, param: str) -> datetime:
+    """A query's time in UTC (a time without a zone is UTC)."""
+    try:
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    except OverflowError:
+        raise ApiError(
+            422, "invalid_time", f"{param} is out of range; give a time after year 1.", param=param
+        ) from None
+
+
+@router.get(
+    "/usage",
+    response_model=UsageReport,
+    responses={403: {"model": ErrorResponse, "description": "Another tenant's, asked with a tenant's key."}},
+    summary="What each team's jobs ran: chip-hours and tokens",
+)
+def usage_report(
+    principal: PrincipalDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    since: Annotated[
+        datetime | None, Query(description=f"From (ISO 8601; default: {USAGE_DAYS} days before `until`).")
+    ] = None,
+    until: Annotated[datetime | None, Query(description="Until (ISO 8601; default: now).")] = None,
+    tenant: Annotated[
+        str | None,
+        Query(
+            min_length=1,
+            max_length=64,
+            description="Only this tenant's. An admin key sees every tenant's by default; another key only "
+            "its own tenant's.",
+        ),
+    ] = None,
+) -> Response:
+    """For chargeback, or to see who used the shared quota: each tenant's jobs that ran between `since`
+    and `until`, the chip-hours they held then, and the tokens they trained on."""
+    scope = principal.scope
+    if tenant is not None and scope is not None and tenant != scope:
+        raise ApiError(
+            403,
+            "admin_only",
+            f"Only an admin key sees another tenant's usage; this key's is that of '{scope}': leave out "
+            "`tenant`.",
+            param="tenant",
+        )
+    end = _utc(until, "until") if until is not None else utcnow()
+    if since is not None:
+        start = _utc(since, "since")
+    else:
+        try:
+            start = end - timedelta(days=USAGE_DAYS)
+        except OverflowError:
+            start = datetime.min.replace(tzinfo=UTC)
+    if start >= end:
+        raise ApiError(422, "empty_window", "`since` must be before `until`.", param="since")
+    wanted = tenant or scope
+    found = spent(session, settings, start, end, wanted)
+    if wanted is not None:
+        found.setdefault(wanted, Spent())  # (a team sees its own line, also with nothing run)
+    data = [
+        TenantSpent(
+            tenant=name,
+            jobs=entry.jobs,
+            chip_hours=round(entry.chip_seconds / 3600, 4),
+            trained_tokens=entry.trained_tokens,
+        )
+        for name, entry in sorted(found.items())
+    ]
+    return json_response(UsageReport(since=start, until=end, chip_unit=_chip_unit(settings), data=data))

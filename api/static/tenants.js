@@ -1,5 +1,6 @@
-// The teams page: GET /admin/tenants, and each team's limits set with PATCH /admin/tenants/{name}.
-import { api, el } from "./common.js";
+// The teams page: GET /admin/tenants (and what each ran in 30 days, GET /usage), and each team's limits
+// set with PATCH /admin/tenants/{name}.
+import { api, el, formatNumber } from "./common.js";
 
 const REFRESH_MS = 5000;
 const tbody = document.querySelector("#tenants tbody");
@@ -13,7 +14,7 @@ function ofLimit(used, tenant, field) {
   return `${used} of ${limit}${tenant.own_limits[field] === null ? " (server)" : ""}`;
 }
 
-function row(tenant) {
+function row(tenant, spent) {
   const edit = el("button", { text: "Edit", attrs: { type: "button", "aria-label": `Edit ${tenant.name}` } });
   edit.addEventListener("click", () => {
     form.elements.tenant.value = tenant.name;
@@ -27,6 +28,7 @@ function row(tenant) {
     el("td", { text: ofLimit(tenant.usage.active_jobs, tenant, "max_active_jobs"), className: "num jobs" }),
     el("td", { text: ofLimit(tenant.usage.chips, tenant, "max_active_chips"), className: "num chips" }),
     el("td", { text: tenant.usage.queued_jobs, className: "num queued" }),
+    el("td", { text: formatNumber(spent?.chip_hours ?? 0, 3), className: "num spent" }),
     el("td", { text: set.trim(), className: "muted" }),
     el("td", {}, [edit]),
   ]);
@@ -34,8 +36,9 @@ function row(tenant) {
 
 async function refresh() {
   try {
-    const page = await api("/admin/tenants");
-    tbody.replaceChildren(...page.data.map(row));
+    const [page, usage] = await Promise.all([api("/admin/tenants"), api("/usage")]);
+    const spent = new Map(usage.data.map((entry) => [entry.tenant, entry]));
+    tbody.replaceChildren(...page.data.map((tenant) => row(tenant, spent.get(tenant.name))));
   } catch (err) {
     error.textContent = err.message;
     error.hidden = false;

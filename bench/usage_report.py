@@ -1,0 +1,160 @@
+"""What `GET /usage` (each team's chip-hours and tokens in a window) costs with many jobs stored.
+
+`--jobs` jobs (default 100,000) of 20 tenants, in three shapes, each run for up to a few hours at some time
+in the last 60 days, inserted straight into the database; then the report through the app in-process
+(TestClient: the route, its query and the JSON), as an admin (every tenant, the last 30 days: about half
+the jobs) and as one tenant. Median wall time of `--rounds` calls. Last line: one JSON object.
+
+    .venv/bin/python bench/usage_report.py                          # SQLite and PostgreSQL, 100,000 jobs
+    .venv/bin/python bench/usage_report.py --databases sqlite --jobs 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from fastapi.testclient import TestClient  # noqa: E402
+from sqlalchemy import insert  # noqa: E402
+
+from api.jobs import new_job_id  # noqa: E402
+from api.main import create_app  # noqa: E402
+from api.migrate import upgrade  # noqa: E402
+from api.models import Job, utcnow  # noqa: E402
+from api.settings import Settings  # noqa: E402
+
+ADMIN = "bench-admin-key-0123456789"
+TENANTS = 20
+SHAPES = [{"processes": 1}, {"processes": 2}, {"processes": 4}]
+BATCH = 5_000
+
+
+def seed(settings: Settings, jobs: int) -> float:
+    """Insert `jobs` finished jobs; seconds it took."""
+    from api.db import make_engine
+
+    engine = make_engine(settings.resolved_database_url, 2)
+    rng = random.Random(0)
+    now = utcnow()
+    started = time.monotonic()
+    for first in range(0, jobs, BATCH):
+        rows = []
+        for i in range(first, min(jobs, first + BATCH)):
+            begun = now - timedelta(seconds=rng.uniform(0, 60 * 86_400))
+            shape = SHAPES[i % len(SHAPES)]
+            rows.append(
+                {
+                    "id": new_job_id(),
+                    "tenant": f"team{i % TENANTS:02d}",
+                    "name": f"bench-{i}",
+                    "status": "succeeded",
+                    "model": "tiny",
+                    "method": "full",
+                    "spec": {"name": f"bench-{i}", "model": "tiny", "resources": shape},
+                    "executor": "local",
+                    "created_at": begun,
+                    "updated_at": begun,
+                    "started_at": begun,
+                    "finished_at": begun + timedelta(seconds=rng.uniform(60, 4 * 3600)),
+                    "output_uri": "/tmp/out",
+                    "step": 100,
+                    "trained_tokens": 1_000_000,
+                    "restarts": 0,
+                }
+            )
+        with engine.begin() as connection:
+            connection.execute(insert(Job.__table__), rows)  # type: ignore[attr-defined]
+    if engine.dialect.name == "postgresql":
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+            connection.exec_driver_sql("VACUUM ANALYZE jobs")
+    engine.dispose()
+    return time.monotonic() - started
+
+
+def timed(client: TestClient, rounds: int, **params: str) -> tuple[float, dict[str, Any]]:
+    times, body = [], {}
+    for _ in range(rounds):
+        began = time.perf_counter()
+        response = client.get("/usage", params=params, headers={"Authorization": f"Bearer {ADMIN}"})
+        times.append(time.perf_counter() - began)
+        assert response.status_code == 200, response.text
+        body = response.json()
+    return statistics.median(times) * 1000, body
+
+
+def measure(url: str, jobs: int, rounds: int, workdir: Path) -> dict[str, Any]:
+    settings = Settings(
+        data_dir=workdir / "state",
+        database_url=url,
+        dispatcher_enabled=False,
+        admin_key=ADMIN,
+        metrics_enabled=False,
+    )
+    upgrade(settings.resolved_database_url)
+    seeded = seed(settings, jobs)
+    with TestClient(create_app(settings)) as client:
+        every_ms, every = timed(client, rounds)
+        one_ms, _ = timed(client, rounds, tenant="team03")
+    counted = sum(row["jobs"] for row in every["data"])
+    return {
+        "jobs": jobs,
+        "seed_s": round(seeded, 1),
+        "jobs_in_30_days": counted,
+        "every_tenant_ms": round(every_ms, 1),
+        "one_tenant_ms": round(one_ms, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--databases", default="sqlite,postgres", help="comma-separated (sqlite,postgres)")
+    p.add_argument("--jobs", type=int, default=100_000)
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+    figures: list[dict[str, Any]] = []
+    postgres = None
+    try:
+        for database in args.databases.split(","):
+            workdir = Path(tempfile.mkdtemp(prefix="tputune-usage-report-"))
+            if database == "sqlite":
+                url = f"sqlite:///{workdir / 'tputune.db'}"
+            else:
+                if postgres is None:
+                    from tests.support.postgres import PostgresServer
+
+                    postgres = PostgresServer().start()
+                name = f"report_{uuid.uuid4().hex[:8]}"
+                import psycopg
+
+                with psycopg.connect(postgres.dsn, autocommit=True) as connection:
+                    connection.execute(f"CREATE DATABASE {name}")
+                url = postgres.url_for(name)
+            row = {"database": database, **measure(url, args.jobs, args.rounds, workdir)}
+            print(
+                f"{database:8} {row['jobs']:,} jobs ({row['jobs_in_30_days']:,} ran in the last 30 days): "
+                f"every tenant's report {row['every_tenant_ms']:.1f} ms, "
+                f"one tenant's {row['one_tenant_ms']:.1f} ms",
+                flush=True,
+            )
+            figures.append(row)
+    finally:
+        if postgres is not None:
+            postgres.close()
+    print(json.dumps({"benchmark": "usage_report", "figures": figures}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
