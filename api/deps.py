@@ -139,6 +139,18 @@ def _admin(what: str) -> Callable[[Principal], Principal]:
     return admin
 
 
+def own_tenant_only(tenant: str | None, scope: str | None, what: str) -> None:
+    """A `tenant` query parameter: a tenant's key (`scope`) may name only its own (403 admin_only)."""
+    if tenant is not None and scope is not None and tenant != scope:
+        raise ApiError(
+            403,
+            "admin_only",
+            f"Only an admin key sees another tenant's {what}; this key belongs to tenant '{scope}': leave "
+            "out `tenant`.",
+            param="tenant",
+        )
+
+
 get_principal = _Caller(lambda principal: principal)
 get_tenant = _Caller(lambda principal: principal.scope)
 get_admin = _Caller(_admin("manage API keys"))

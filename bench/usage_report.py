@@ -18,7 +18,6 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -135,12 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                     from tests.support.postgres import PostgresServer
 
                     postgres = PostgresServer().start()
-                name = f"report_{uuid.uuid4().hex[:8]}"
-                import psycopg
-
-                with psycopg.connect(postgres.dsn, autocommit=True) as connection:
-                    connection.execute(f"CREATE DATABASE {name}")
-                url = postgres.url_for(name)
+                url = postgres.create_database()
             row = {"database": database, **measure(url, args.jobs, args.rounds, workdir)}
             print(
                 f"{database:8} {row['jobs']:,} jobs ({row['jobs_in_30_days']:,} ran in the last 30 days): "

@@ -18,7 +18,6 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -81,12 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                         from tests.support.postgres import PostgresServer
 
                         postgres = PostgresServer().start()
-                    name = f"usage_{uuid.uuid4().hex[:8]}"
-                    import psycopg
-
-                    with psycopg.connect(postgres.dsn, autocommit=True) as connection:
-                        connection.execute(f"CREATE DATABASE {name}")
-                    url = postgres.url_for(name)
+                    url = postgres.create_database()
                 row = {"database": database, "keys": keys, **measure(url, keys, workdir)}
                 print(
                     f"{database:8} {keys:6} keys: a pass {row['busy_pass_ms']:6.2f} ms with every key's row "

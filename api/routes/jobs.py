@@ -22,6 +22,7 @@ from api.deps import (
     TenantDep,
     caller,
     json_response,
+    own_tenant_only,
 )
 from api.errors import ApiError, DatabaseUnavailable, json_body, not_found, read_json_body
 from api.executors import FollowsLogs, LogStream
@@ -165,14 +166,7 @@ async def list_jobs(
     ] = None,
 ) -> Response:
     """Filter by metadata with `metadata[key]=value` query parameters (all must match)."""
-    if tenant is not None and scope is not None and tenant != scope:
-        raise ApiError(
-            403,
-            "admin_only",
-            f"Only an admin key lists another tenant's jobs; this key's are those of '{scope}': "
-            "leave out `tenant`.",
-            param="tenant",
-        )
+    own_tenant_only(tenant, scope, "jobs")
     metadata = {}
     for name, value in request.query_params.multi_items():
         match = _METADATA_PARAM.match(name)

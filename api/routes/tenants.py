@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, select
 
-from api.deps import LimitsAdminDep, PrincipalDep, SessionDep, SettingsDep, json_response
+from api.deps import LimitsAdminDep, PrincipalDep, SessionDep, SettingsDep, json_response, own_tenant_only
 from api.errors import ApiError
 from api.models import ApiKey, Tenant, as_utc, utcnow
 from api.schemas import ErrorResponse, error_responses
@@ -261,14 +261,7 @@ def usage_report(
     """For chargeback, or to see who used the shared quota: each tenant's jobs that ran between `since`
     and `until`, the chip-hours they held then, and the tokens they trained on."""
     scope = principal.scope
-    if tenant is not None and scope is not None and tenant != scope:
-        raise ApiError(
-            403,
-            "admin_only",
-            f"Only an admin key sees another tenant's usage; this key's is that of '{scope}': leave out "
-            "`tenant`.",
-            param="tenant",
-        )
+    own_tenant_only(tenant, scope, "usage")
     end = _utc(until, "until") if until is not None else utcnow()
     if since is not None:
         start = _utc(since, "since")
