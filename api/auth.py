@@ -29,6 +29,7 @@ from api.settings import Settings
 
 KEY_PREFIX = "tpt_"
 DEFAULT_TENANT = "default"
+TENANT_NAME = r"^[a-z0-9][a-z0-9-_.]*$"  # a tenant's name (a key's tenant, PATCH /admin/tenants/{name})
 COOKIE_NAME = "tputune_key"
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 _CACHE_SECONDS = 5.0

@@ -1,7 +1,8 @@
 """Each tenant's limits on what its jobs hold at once: its own, where an admin set them (the `tenants`
 table, PATCH /admin/tenants/{name}), else the server's (TPUTUNE_TENANT_MAX_ACTIVE_JOBS/CHIPS). Over a
 limit a job waits `queued` with the reason (api.dispatcher); a job bigger than the chip limit is refused
-when it is submitted (api.validation.check_spec), as it could never start."""
+when it is submitted (api.validation.check_spec), as it could never start. And what each tenant's jobs
+hold now (`usage`) and held in a window of time (`spent`: chip-hours, GET /usage)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Body, Query, Request, Response
 from pydantic import BaseModel, Field
 from sqlmodel import col, select
 
-from api.auth import COOKIE_NAME, new_api_key
+from api.auth import COOKIE_NAME, TENANT_NAME, new_api_key
 from api.deps import AdminDep, SessionDep, SettingsDep, json_response
 from api.errors import ApiError
 from api.models import ApiKey, as_utc, utcnow
@@ -23,7 +23,7 @@ router = APIRouter(tags=["keys"], responses=error_responses(413, 422, 503))
 
 
 class KeyCreate(BaseModel):
-    tenant: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9-_.]*$")]
+    tenant: Annotated[str, Field(min_length=1, max_length=64, pattern=TENANT_NAME)]
     name: Annotated[Text, Field(min_length=1, max_length=128)]
     expires_in_days: int | None = Field(
         default=None,

@@ -1,4 +1,5 @@
-"""Tenants' limits and what their jobs hold now: a team sees its own, an admin sees and sets every team's."""
+"""Tenants' limits, what their jobs hold now and what they used: a team sees its own, an admin sees (and
+sets) every team's."""
 
 from __future__ import annotations
 
@@ -11,18 +12,18 @@ from pydantic import BaseModel, Field
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, select
 
+from api.auth import TENANT_NAME
 from api.deps import LimitsAdminDep, PrincipalDep, SessionDep, SettingsDep, json_response, own_tenant_only
 from api.errors import ApiError
 from api.models import ApiKey, Tenant, as_utc, utcnow
 from api.schemas import ErrorResponse, error_responses
 from api.settings import Settings
-from api.tenants import Limits, Spent, Usage, spent, usage
+from api.tenants import Limits, Spent, Usage, load, spent, usage
 
 log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["tenants"], responses=error_responses(401, 413, 422, 429, 503))
 
-TENANT_NAME = r"^[a-z0-9][a-z0-9-_.]*$"  # (as a key's tenant, api.routes.keys.KeyCreate)
 LIMIT_MAX = 1_000_000
 
 
@@ -141,7 +142,7 @@ def own_tenant(principal: PrincipalDep, session: SessionDep, settings: SettingsD
 )
 def list_tenants(session: SessionDep, settings: SettingsDep, _admin: LimitsAdminDep) -> Response:
     """Every tenant that has limits of its own, API keys, or unfinished jobs, by name."""
-    rows = {row.name: row for row in session.exec(select(Tenant))}
+    rows = load(session)
     used = usage(session, settings)
     names = set(rows) | set(used) | set(session.exec(select(ApiKey.tenant).distinct()))
     data = [TenantPublic.of(name, rows.get(name), used.get(name), settings) for name in sorted(names)]
