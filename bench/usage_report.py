@@ -16,7 +16,6 @@ import json
 import random
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -33,6 +32,7 @@ from api.main import create_app  # noqa: E402
 from api.migrate import upgrade  # noqa: E402
 from api.models import Job, utcnow  # noqa: E402
 from api.settings import Settings  # noqa: E402
+from bench.databases import Databases  # noqa: E402
 
 ADMIN = "bench-admin-key-0123456789"
 TENANTS = 20
@@ -123,18 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
     figures: list[dict[str, Any]] = []
-    postgres = None
+    databases = Databases()
     try:
         for database in args.databases.split(","):
-            workdir = Path(tempfile.mkdtemp(prefix="tputune-usage-report-"))
-            if database == "sqlite":
-                url = f"sqlite:///{workdir / 'tputune.db'}"
-            else:
-                if postgres is None:
-                    from tests.support.postgres import PostgresServer
-
-                    postgres = PostgresServer().start()
-                url = postgres.create_database()
+            url, workdir = databases.new(database, "tputune-usage-report-")
             row = {"database": database, **measure(url, args.jobs, args.rounds, workdir)}
             print(
                 f"{database:8} {row['jobs']:,} jobs ({row['jobs_in_30_days']:,} ran in the last 30 days): "
@@ -144,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             figures.append(row)
     finally:
-        if postgres is not None:
-            postgres.close()
+        databases.close()
     print(json.dumps({"benchmark": "usage_report", "figures": figures}))
     return 0
 

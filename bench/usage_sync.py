@@ -16,7 +16,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from api.db import make_engine  # noqa: E402
 from api.migrate import upgrade  # noqa: E402
 from api.streams import SharedKeyStreams  # noqa: E402
 from api.usage import UsageSync  # noqa: E402
+from bench.databases import Databases  # noqa: E402
 
 PASSES = 20
 RATE, BURST = 1000.0, 1e9  # (never refused: every take is spent)
@@ -68,19 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keys", default="10,1000", help="comma-separated numbers of keys (10,1000)")
     args = p.parse_args(argv)
     figures: list[dict[str, Any]] = []
-    postgres = None
+    databases = Databases()
     try:
         for database in args.databases.split(","):
             for keys in map(int, args.keys.split(",")):
-                workdir = Path(tempfile.mkdtemp(prefix="tputune-usage-"))
-                if database == "sqlite":
-                    url = f"sqlite:///{workdir / 'tputune.db'}"
-                else:
-                    if postgres is None:
-                        from tests.support.postgres import PostgresServer
-
-                        postgres = PostgresServer().start()
-                    url = postgres.create_database()
+                url, workdir = databases.new(database, "tputune-usage-")
                 row = {"database": database, "keys": keys, **measure(url, keys, workdir)}
                 print(
                     f"{database:8} {keys:6} keys: a pass {row['busy_pass_ms']:6.2f} ms with every key's row "
@@ -89,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 figures.append(row)
     finally:
-        if postgres is not None:
-            postgres.close()
+        databases.close()
     print(json.dumps({"passes": figures}))
     return 0
 
