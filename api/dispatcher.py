@@ -35,6 +35,8 @@ PAGE = 200
 FAIL_GROUP = 32
 MAX_YIELD_SECONDS = 0.1
 PASS_SPACING_SECONDS = 0.05
+# How the status message of a job held back by its team's limits begins (_over_tenant_cap).
+TEAM_WAIT = "Waiting: "
 
 
 class Leader(Protocol):
@@ -266,8 +268,13 @@ class Dispatcher:
             return
         waiting = self._over_tenant_cap(session, job)
         if waiting is not None:
-            # Over the cap a job waits its turn; it is never rejected.
-            self._note(session, job, waiting)
+            # Over the cap a job waits its turn; it is never rejected. It says why in its status message,
+            # and once in its events: once it runs, they still tell why it started late.
+            if job.status_message != waiting:
+                if not (job.status_message or "").startswith(TEAM_WAIT):
+                    data = {"waiting": "team_limit"}
+                    service.add_event(session, job, "status", waiting, data=data)
+                self._note(session, job, waiting)
             return
         if service.transition(session, job, JobStatus.starting, "Checking the dataset."):
             if job.tenant in self._tenant_jobs:
@@ -344,22 +351,22 @@ class Dispatcher:
             )
             active = self._tenant_jobs[job.tenant] = list(session.exec(statement).all())
         if max_jobs == 0:
-            return "Waiting: your team may run no jobs now (limit 0); ask your admin to raise it."
+            return f"{TEAM_WAIT}your team may run no jobs now (limit 0); ask your admin to raise it."
         if max_jobs is not None and len(active) >= max_jobs:
             running = "1 job of your team is" if len(active) == 1 else f"{len(active)} jobs of your team are"
-            return f"Waiting: {running} running (limit {max_jobs})."
+            return f"{TEAM_WAIT}{running} running (limit {max_jobs})."
         if max_chips is not None:
             what = "TPU chips" if self.settings.executor == "kubernetes" else "processes"
             used = sum(held_chips(row, self.settings) for row in active)
             needed = held_chips(job, self.settings)
             if needed > max_chips:  # (the limit was lowered after the job was accepted)
                 return (
-                    f"Waiting: this job needs {needed} {what}, more than your team may hold at once "
+                    f"{TEAM_WAIT}this job needs {needed} {what}, more than your team may hold at once "
                     f"({max_chips}); it starts if an admin raises the limit, or cancel it."
                 )
             if used + needed > max_chips:
                 return (
-                    f"Waiting: your team's running jobs hold {used} of its {max_chips} {what}; "
+                    f"{TEAM_WAIT}your team's running jobs hold {used} of its {max_chips} {what}; "
                     f"this job needs {needed}."
                 )
         return None

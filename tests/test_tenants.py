@@ -178,6 +178,11 @@ def test_concurrent_changes_to_a_new_tenant_all_succeed(app_client: TestClient) 
     assert [t["name"] for t in listed] == ["team0", "team1", "team2"]
 
 
+def events(http: Any, job_id: str, key: dict[str, str]) -> list[dict[str, Any]]:
+    response = http.get(f"/jobs/{job_id}/events", params={"limit": 1000}, headers=key)
+    return list(response.json()["data"])
+
+
 def test_the_dispatcher_holds_each_tenants_jobs_to_its_own_limits(live_api, dataset: Path) -> None:  # type: ignore[no-untyped-def]
     api = live_api(admin_key=ADMIN, rate_limit_per_second=0, tenant_max_active_jobs=3, max_local_processes=8)
     api.headers = bearer(ADMIN)
@@ -198,6 +203,12 @@ def test_the_dispatcher_holds_each_tenants_jobs_to_its_own_limits(live_api, data
         api.wait_for(first, lambda j: j["status"] == "running")
         waiting = api.wait_for(second, lambda j: "limit 1" in (j["status_message"] or ""))
         assert waiting["status"] == "queued"
+        # Why it waits is in its events too, once (the dispatcher's passes meanwhile add none).
+        time.sleep(0.5)
+        said = [e for e in events(http, second, keys["research"]) if (e["data"] or {}).get("waiting")]
+        assert [(e["type"], e["message"], e["data"]) for e in said] == [
+            ("status", "Waiting: 1 job of your team is running (limit 1).", {"waiting": "team_limit"})
+        ]
         # vision has the server's limit (3): both run.
         api.headers = keys["vision"]
         for job_id in (submit("vision", "slow"), submit("vision", "slow")):
@@ -218,6 +229,7 @@ def test_the_dispatcher_holds_each_tenants_jobs_to_its_own_limits(live_api, data
         assert http.get(f"/jobs/{first}", headers=keys["research"]).json()["status"] == "running"
 
         big = submit("research", "succeed", processes=2)  # (accepted: the chip limit is the server's 8)
+        api.wait_for(big, lambda j: "may run no jobs now" in (j["status_message"] or ""))
 
         # A chip limit lowered below what runs, and below a queued job's size: they wait, saying why.
         lowered = http.patch("/admin/tenants/research", json=limits(None, 1))
@@ -241,6 +253,9 @@ def test_the_dispatcher_holds_each_tenants_jobs_to_its_own_limits(live_api, data
         assert http.get(f"/jobs/{big}", headers=keys["research"]).json()["status"] == "queued"
         assert http.patch("/admin/tenants/research", json={"max_active_chips": None}).status_code == 200
         assert api.wait_for(big, lambda j: j["status"] in FINAL, timeout=30)["status"] == "succeeded"
+        # Its reasons changed while it waited (no jobs now, then too big): one event, the first reason.
+        said = [e["message"] for e in events(http, big, keys["research"]) if (e["data"] or {}).get("waiting")]
+        assert said == ["Waiting: your team may run no jobs now (limit 0); ask your admin to raise it."]
 
 
 def test_a_change_made_here_outlives_a_read_that_began_before_it() -> None:
