@@ -335,6 +335,13 @@ def _limit(tenant: dict[str, Any], field: str) -> str:
     return f"{value}" if tenant["own_limits"][field] is not None else f"{value} (server)"
 
 
+def _set_by(tenant: dict[str, Any], between: str = " ") -> str | None:
+    """Who set a tenant's limits and when (None: nobody has)."""
+    if not tenant["updated_at"]:
+        return None
+    return f"{tenant['updated_by'] or 'the single user'}{between}{_when(tenant['updated_at'])}"
+
+
 def _limit_arg(text: str) -> int | None:
     """--max-jobs/--max-chips: a number, or `default` (the server's limit)."""
     if text == "default":
@@ -355,8 +362,7 @@ def tenants(args: argparse.Namespace) -> int:
             )
             for tenant in rows:
                 used = tenant["usage"]
-                who = tenant["updated_by"] or "the single user"
-                by = f"{who} {_when(tenant['updated_at'])}" if tenant["updated_at"] else "-"
+                by = _set_by(tenant) or "-"
                 jobs, chips = _limit(tenant, "max_active_jobs"), _limit(tenant, "max_active_chips")
                 name, active, held = tenant["name"], used["active_jobs"], used["chips"]
                 print(
@@ -383,8 +389,8 @@ def tenants(args: argparse.Namespace) -> int:
     jobs = _limit(tenant, "max_active_jobs")
     print(f"  jobs:  {used['active_jobs']} active, limit {jobs}; {used['queued_jobs']} queued")
     print(f"  {tenant['chip_unit']}: {used['chips']} held, limit {_limit(tenant, 'max_active_chips')}")
-    if tenant["updated_at"]:
-        print(f"  limits set by {tenant['updated_by'] or 'the single user'} at {_when(tenant['updated_at'])}")
+    if set_by := _set_by(tenant, " at "):
+        print(f"  limits set by {set_by}")
     return 0
 
 

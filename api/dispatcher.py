@@ -22,7 +22,7 @@ from api.models import Job, Tenant, utcnow
 from api.observability import DispatcherStats, job_id_var
 from api.settings import Settings
 from api.states import ACTIVE, JobStatus
-from api.validation import held_chips
+from api.validation import chip_unit, held_chips
 from worker.config import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED
 
 log = logging.getLogger(__name__)
@@ -356,7 +356,7 @@ class Dispatcher:
             running = "1 job of your team is" if len(active) == 1 else f"{len(active)} jobs of your team are"
             return f"{TEAM_WAIT}{running} running (limit {max_jobs})."
         if max_chips is not None:
-            what = "TPU chips" if self.settings.executor == "kubernetes" else "processes"
+            what = chip_unit(self.settings)
             used = sum(held_chips(row, self.settings) for row in active)
             needed = held_chips(job, self.settings)
             if needed > max_chips:  # (the limit was lowered after the job was accepted)

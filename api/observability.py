@@ -16,14 +16,13 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from sqlalchemy import func
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, col, select
+from sqlmodel import Session, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import tenants as tenant_limits
 from api.models import Job
 from api.settings import Settings
-from api.states import ACTIVE, FINAL, JobStatus
-from api.validation import held_chips
+from api.states import JobStatus
 
 CALLER = "tputune.caller"  # scope["state"][CALLER]: the request's Principal, once known (api.deps.caller)
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
@@ -116,7 +115,7 @@ class DispatcherStats(Protocol):
 
 class _JobsByStatus(Collector):
     """`tputune_jobs` by status; for each tenant with unfinished jobs, those by status and the chips its
-    active jobs hold (api.validation.held_chips: what its chip limit caps), to watch the shared quota and
+    active jobs hold (api.tenants.usage: what its chip limit caps), to watch the shared quota and
     each team's share of it; and each tenant's limits (api.tenants), where it has one, beside them."""
 
     def __init__(self, engine: Engine, settings: Settings) -> None:
@@ -144,33 +143,22 @@ class _JobsByStatus(Collector):
             labels=["tenant"],
         )
         counts = dict.fromkeys((s.value for s in JobStatus), 0)
-        unfinished = [s.value for s in JobStatus if s not in FINAL]
         with Session(self.engine) as session:
             for status, count in session.exec(select(Job.status, func.count()).group_by(Job.status)):
                 counts[status] = count
-            by_tenant = session.exec(
-                select(Job.tenant, Job.status, func.count())
-                .where(col(Job.status).in_(unfinished))
-                .group_by(Job.tenant, Job.status)
-            ).all()
-            active = session.exec(
-                select(Job.id, Job.tenant, Job.spec).where(col(Job.status).in_([s.value for s in ACTIVE]))
-            ).all()
+            used = tenant_limits.usage(session, self.settings)
             own = tenant_limits.load(session)
         for status, count in counts.items():
             family.add_metric([status], count)
         yield family
-        chips: dict[str, int] = {}
-        for tenant, status, count in by_tenant:
-            tenants.add_metric([tenant, status], count)
-            chips.setdefault(tenant, 0)
-        for row in active:  # (id, tenant, spec)
-            chips[row[1]] = chips.get(row[1], 0) + held_chips(row, self.settings)
+        for tenant, entry in used.items():
+            for status, count in entry.statuses.items():
+                tenants.add_metric([tenant, status], count)
         yield tenants
-        for tenant, count in sorted(chips.items()):
-            held.add_metric([tenant], count)
+        for tenant, entry in sorted(used.items()):
+            held.add_metric([tenant], entry.chips)
         yield held
-        for tenant in sorted(set(chips) | set(own)):
+        for tenant in sorted(set(used) | set(own)):
             limits = tenant_limits.Limits.of(own.get(tenant), self.settings)
             if limits.max_active_jobs is not None:
                 max_jobs.add_metric([tenant], limits.max_active_jobs)

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 import anyio
@@ -61,13 +61,21 @@ def load(session: Session) -> dict[str, Tenant]:
 class Usage:
     """What a tenant's unfinished jobs are and hold now."""
 
-    active_jobs: int = 0  # starting, running or cancelling: what max_active_jobs counts
-    queued_jobs: int = 0
+    statuses: dict[str, int] = field(default_factory=dict)  # its unfinished jobs, by status
     chips: int = 0  # what its active jobs hold: what max_active_chips counts
+
+    @property
+    def active_jobs(self) -> int:
+        """Starting, running or cancelling: what max_active_jobs counts."""
+        return sum(count for status, count in self.statuses.items() if status in ACTIVE)
+
+    @property
+    def queued_jobs(self) -> int:
+        return self.statuses.get(JobStatus.queued.value, 0)
 
 
 def usage(session: Session, settings: Settings, tenant: str | None = None) -> dict[str, Usage]:
-    """Each tenant's usage (or only `tenant`'s), for the tenants with unfinished jobs."""
+    """Each tenant's usage (or only `tenant`'s), for the tenants with unfinished jobs (also /metrics')."""
     statuses = [JobStatus.queued.value, *(status.value for status in ACTIVE)]
     counts = select(Job.tenant, Job.status, func.count()).where(col(Job.status).in_(statuses))
     active = select(Job.id, Job.tenant, Job.spec).where(col(Job.status).in_([s.value for s in ACTIVE]))
@@ -75,11 +83,7 @@ def usage(session: Session, settings: Settings, tenant: str | None = None) -> di
         counts, active = counts.where(Job.tenant == tenant), active.where(Job.tenant == tenant)
     found: dict[str, Usage] = {}
     for name, status, count in session.exec(counts.group_by(Job.tenant, Job.status)):
-        entry = found.setdefault(name, Usage())
-        if status == JobStatus.queued.value:
-            entry.queued_jobs += count
-        else:
-            entry.active_jobs += count
+        found.setdefault(name, Usage()).statuses[status] = count
     for row in session.exec(active):  # (id, tenant, spec)
         found.setdefault(row[1], Usage()).chips += held_chips(row, settings)
     return found

@@ -179,6 +179,11 @@ def check_spec(spec: JobSpec, settings: Settings, chip_limit: int | None) -> Non
         )
 
 
+def chip_unit(settings: Settings) -> str:
+    """What a job's chips are on this server: TPU chips, or (the local executor) processes."""
+    return "TPU chips" if settings.executor == "kubernetes" else "processes"
+
+
 def held_chips(job: Any, settings: Settings) -> int:
     """`job_chips` of a stored job (a Job or a row with its `id` and `spec`); 0 for a spec this server's
     settings no longer accept: it still holds what it holds, but nothing here can tell how much."""

@@ -9,7 +9,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Query, Request, Response
 from pydantic import BaseModel, Field
-from sqlmodel import col, select
+from sqlmodel import Session, col, select
 
 from api.auth import COOKIE_NAME, TENANT_NAME, new_api_key
 from api.deps import AdminDep, SessionDep, SettingsDep, json_response
@@ -142,6 +142,16 @@ def _new_key(tenant: str, name: str, days: int | None, admin: bool) -> tuple[Api
     return row, plaintext
 
 
+def _key(session: Session, key_id: str) -> ApiKey:
+    """The key with this id, or a 404."""
+    row = session.get(ApiKey, key_id)
+    if row is None:
+        raise ApiError(
+            404, "key_not_found", f"No API key with id '{key_id}'; list them with GET /admin/keys."
+        )
+    return row
+
+
 @router.post(
     "/admin/keys", status_code=201, response_model=KeyCreated, responses=_admin_errors, summary="Create a key"
 )
@@ -176,11 +186,7 @@ def rotate_key(
     new key lives as long as the old one was made to (or `expires_in_days`). Nothing else changes: the
     tenant's jobs are the tenant's, whichever key made them."""
     body = body or KeyRotate()
-    old = session.get(ApiKey, key_id)
-    if old is None:
-        raise ApiError(
-            404, "key_not_found", f"No API key with id '{key_id}'; list them with GET /admin/keys."
-        )
+    old = _key(session, key_id)
     if old.revoked_at is not None:
         raise ApiError(
             409, "key_revoked", f"Key {key_id} was revoked; create a new one with POST /admin/keys."
@@ -231,11 +237,7 @@ def list_keys(
     summary="Revoke a key",
 )
 def revoke_key(key_id: str, request: Request, session: SessionDep, _admin: AdminDep) -> Response:
-    row = session.get(ApiKey, key_id)
-    if row is None:
-        raise ApiError(
-            404, "key_not_found", f"No API key with id '{key_id}'; list them with GET /admin/keys."
-        )
+    row = _key(session, key_id)
     if row.revoked_at is None:
         row.revoked_at = utcnow()
         session.add(row)

@@ -19,6 +19,7 @@ from api.models import ApiKey, Tenant, as_utc, utcnow
 from api.schemas import ErrorResponse, error_responses
 from api.settings import Settings
 from api.tenants import Limits, Spent, Usage, load, spent, usage
+from api.validation import chip_unit
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +73,15 @@ class TenantPublic(BaseModel):
                 max_active_jobs=row.max_active_jobs if row else None,
                 max_active_chips=row.max_active_chips if row else None,
             ),
-            usage=TenantUsage(**vars(used or Usage())),
-            chip_unit=_chip_unit(settings),
+            usage=TenantUsage(
+                active_jobs=used.active_jobs if used else 0,
+                queued_jobs=used.queued_jobs if used else 0,
+                chips=used.chips if used else 0,
+            ),
+            chip_unit=chip_unit(settings),
             updated_at=as_utc(row.updated_at) if row else None,
             updated_by=row.updated_by if row else None,
         )
-
-
-def _chip_unit(settings: Settings) -> str:
-    return "TPU chips" if settings.executor == "kubernetes" else "processes"
 
 
 class TenantList(BaseModel):
@@ -286,4 +287,4 @@ def usage_report(
         )
         for name, entry in sorted(found.items())
     ]
-    return json_response(UsageReport(since=start, until=end, chip_unit=_chip_unit(settings), data=data))
+    return json_response(UsageReport(since=start, until=end, chip_unit=chip_unit(settings), data=data))
