@@ -343,7 +343,7 @@ def _set_by(tenant: dict[str, Any], between: str = " ") -> str | None:
 
 
 def _limit_arg(text: str) -> int | None:
-    """--max-jobs/--max-chips: a number, or `default` (the server's limit)."""
+    """--max-jobs/--max-chips/--max-queued: a number, or `default` (the server's limit)."""
     if text == "default":
         return None
     try:
@@ -358,15 +358,23 @@ def tenants(args: argparse.Namespace) -> int:
             rows = client.list_tenants()["data"]
             print(
                 f"{'TENANT':<20} {'ACTIVE':>6} {'MAX JOBS':<12} {'CHIPS':>5} {'MAX CHIPS':<12} "
-                f"{'QUEUED':>6}  SET BY"
+                f"{'QUEUED':>6} {'MAX QUEUED':<12}  SET BY"
             )
             for tenant in rows:
                 used = tenant["usage"]
                 by = _set_by(tenant) or "-"
-                jobs, chips = _limit(tenant, "max_active_jobs"), _limit(tenant, "max_active_chips")
-                name, active, held = tenant["name"], used["active_jobs"], used["chips"]
+                jobs, chips, waiting = (
+                    _limit(tenant, field)
+                    for field in ("max_active_jobs", "max_active_chips", "max_queued_jobs")
+                )
+                name, active, held, queued = (
+                    tenant["name"],
+                    used["active_jobs"],
+                    used["chips"],
+                    used["queued_jobs"],
+                )
                 print(
-                    f"{name:<20} {active:>6} {jobs:<12} {held:>5} {chips:<12} {used['queued_jobs']:>6}  {by}"
+                    f"{name:<20} {active:>6} {jobs:<12} {held:>5} {chips:<12} {queued:>6} {waiting:<12}  {by}"
                 )
             return 0
         if args.action == "set":
@@ -375,9 +383,11 @@ def tenants(args: argparse.Namespace) -> int:
                 changes["max_active_jobs"] = args.max_jobs
             if args.max_chips is not False:
                 changes["max_active_chips"] = args.max_chips
+            if args.max_queued is not False:
+                changes["max_queued_jobs"] = args.max_queued
             if not changes:
                 print(
-                    "tputune: error: say --max-jobs and/or --max-chips (a number, or 'default')",
+                    "tputune: error: say --max-jobs, --max-chips or --max-queued (a number, or 'default')",
                     file=sys.stderr,
                 )
                 return 2
@@ -387,7 +397,10 @@ def tenants(args: argparse.Namespace) -> int:
     used = tenant["usage"]
     print(f"tenant {tenant['name']}")
     jobs = _limit(tenant, "max_active_jobs")
-    print(f"  jobs:  {used['active_jobs']} active, limit {jobs}; {used['queued_jobs']} queued")
+    queued = _limit(tenant, "max_queued_jobs")
+    print(
+        f"  jobs:  {used['active_jobs']} active, limit {jobs}; {used['queued_jobs']} queued, limit {queued}"
+    )
     print(f"  {tenant['chip_unit']}: {used['chips']} held, limit {_limit(tenant, 'max_active_chips')}")
     if set_by := _set_by(tenant, " at "):
         print(f"  limits set by {set_by}")
@@ -513,7 +526,9 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("key_id")
     p.set_defaults(func=keys)
 
-    p = commands.add_parser("tenants", help="teams' limits on running jobs and chips, and their use")
+    p = commands.add_parser(
+        "tenants", help="teams' limits on running and queued jobs and chips, and their use"
+    )
     actions = p.add_subparsers(dest="action", required=True)
     a = actions.add_parser("show", help="a team's limits and use (default: your own)")
     a.add_argument("name", nargs="?", help="a tenant (needs an admin key)")
@@ -531,6 +546,12 @@ def parser() -> argparse.ArgumentParser:
         type=_limit_arg,
         default=False,
         help="TPU chips (local executor: processes) its active jobs may hold; 'default': the server's",
+    )
+    a.add_argument(
+        "--max-queued",
+        type=_limit_arg,
+        default=False,
+        help="jobs waiting to start; more are refused (0: no new jobs); 'default': the server's",
     )
     p.set_defaults(func=tenants)
 

@@ -182,7 +182,8 @@ class Client:
         return self._request("GET", f"/admin/tenants/{name}")
 
     def set_tenant_limits(self, name: str, **limits: int | None) -> dict[str, Any]:
-        """Change `max_active_jobs` and/or `max_active_chips` (None: the server's limit holds again)."""
+        """Change `max_active_jobs`, `max_active_chips` and/or `max_queued_jobs` (None: the server's limit
+        holds again)."""
         return self._request("PATCH", f"/admin/tenants/{name}", json=limits)
 
     def usage(

@@ -18,8 +18,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import bindparam, insert, update
+from sqlalchemy import bindparam, func, insert, update
 from sqlalchemy import select as sa_select
+from sqlalchemy import text as sql_text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
@@ -93,6 +94,7 @@ class NewJob:
     idempotency_key: str | None
     request_hash: str | None  # of the spec, when there is an idempotency key
     spec_json: str  # row["spec"] as JSON text (stored as such on SQLite, and shown in the response)
+    max_queued: int | None = None  # its tenant's limit on queued jobs (`write_one` keeps to it)
 
     @property
     def id(self) -> str:
@@ -174,7 +176,8 @@ def prepare_job(
         created_at=now,
         updated_at=now,
     )
-    return NewJob(tenant, spec, row, idempotency_key, request_hash, spec_json)
+    limit = limits.max_queued_jobs if limits is not None else settings.tenant_max_queued_jobs
+    return NewJob(tenant, spec, row, idempotency_key, request_hash, spec_json, limit)
 
 
 # A new job's columns; every row of one executemany names the same ones.
@@ -193,7 +196,19 @@ def write_jobs(connection: Connection, batch: Sequence[NewJob]) -> list[Outcome 
 
     IntegrityError when another writer took one of the keys meanwhile: roll back, and write the jobs one
     at a time (`write_one`) to give each its own answer.
+
+    Jobs whose tenant has a limit on queued jobs (`NewJob.max_queued`) are counted with the others after
+    the insert, in the same transaction. QueueFull when a tenant has more than its limit then: roll back,
+    and write the batch again without the jobs that did not fit (`QueueFull.refusals`, answered 429).
+    Exact, also with concurrent writers (replicas): on SQLite the insert holds the database's write lock
+    until the commit; on PostgreSQL a transaction lock per tenant, taken first (pg_advisory_xact_lock, in
+    the order of the names), serializes the tenant's inserts, whose counts (read committed) then see each
+    other's. (It needs a transaction: not autocommit.)
     """
+    capped = {new.tenant: new.max_queued for new in batch if new.max_queued is not None}
+    if capped and connection.dialect.name == "postgresql":
+        for tenant in sorted(capped):
+            connection.execute(_LOCK_TENANT_QUEUE, {"key": f"tputune.queued:{tenant}"})
     outcomes: list[Outcome | ApiError | None] = [None] * len(batch)
     taken = _taken_keys(connection, [new for new in batch if new.idempotency_key is not None])
     first_of_key: dict[tuple[str, str], int] = {}
@@ -231,6 +246,15 @@ def write_jobs(connection: Connection, batch: Sequence[NewJob]) -> list[Outcome 
         found = {row.id: row for row in connection.execute(_READ_JOBS, {"ids": list(set(existing.values()))})}
         for i, job_id in existing.items():
             outcomes[i] = Outcome(found[job_id], False)
+    if capped and any(batch[i].max_queued is not None for i in fresh):
+        statement = _COUNT_QUEUED.where(col(Job.tenant).in_(capped)).group_by(col(Job.tenant))
+        over = {
+            tenant: (queued, [i for i in fresh if batch[i].tenant == tenant], capped[tenant])
+            for tenant, queued in connection.execute(statement)
+            if queued > capped[tenant]
+        }
+        if over:
+            raise QueueFull(over)
     assert all(outcome is not None for outcome in outcomes)
     return outcomes  # type: ignore[return-value]
 
@@ -359,16 +383,65 @@ def pg_new_jobs_parameters(news: Sequence[NewJob]) -> dict[str, str]:
 
 def write_one(engine: Engine, new: NewJob) -> Outcome | ApiError:
     """`new` in a transaction of its own. A unique-key race on its Idempotency-Key (another writer stored
-    the key after this one looked) answers with the winner's job."""
+    the key after this one looked) answers with the winner's job; one too many of its tenant's queued jobs
+    (`write_jobs`), with 429."""
     for _ in range(2):
         try:
             with engine.begin() as connection:
                 [outcome] = write_jobs(connection, [new])
             return outcome
+        except QueueFull as full:  # (rolled back)
+            return full.error()
         except IntegrityError:
             if new.idempotency_key is None:
                 raise
     raise ApiError(409, "job_busy", "This Idempotency-Key is being used by another request right now; retry.")
+
+
+_LOCK_TENANT_QUEUE = sql_text("SELECT pg_advisory_xact_lock(hashtext(:key))")
+_COUNT_QUEUED = sa_select(col(Job.tenant), func.count()).where(col(Job.status) == JobStatus.queued.value)
+QUEUE_FULL_RETRY_SECONDS = 30  # Retry-After's hint: queued jobs start as others end, at no set time
+
+
+class QueueFull(Exception):
+    """Tenants with more jobs queued than they may, counting those `write_jobs` just inserted (rolled back
+    now): by tenant, (its queued jobs, the indices in the batch of those inserted, its limit)."""
+
+    def __init__(self, over: dict[str, tuple[int, list[int], int]]) -> None:
+        super().__init__(", ".join(f"{t}: {q} queued, limit {limit}" for t, (q, _, limit) in over.items()))
+        self.over = over
+
+    def refusals(self) -> dict[int, ApiError]:
+        """The jobs of the batch to refuse, by index, for each tenant to have no more than it may: the last
+        of those inserted, once the room its queue had before them is taken."""
+        refused: dict[int, ApiError] = {}
+        for tenant, (queued, inserted, limit) in self.over.items():
+            before = queued - len(inserted)
+            room = max(0, limit - before)
+            error = too_many_queued_jobs(tenant, before + room, limit)
+            refused.update((i, error) for i in inserted[room:])
+        return refused
+
+    def error(self) -> ApiError:
+        """The answer to the job inserted, when it was the only one."""
+        [error] = self.refusals().values()
+        return error
+
+
+def too_many_queued_jobs(tenant: str, queued: int, limit: int) -> ApiError:
+    if limit == 0:
+        message = (
+            f"Your team ({tenant}) may not queue new jobs now (its limit of queued jobs is 0); ask an admin "
+            "to raise it."
+        )
+    else:
+        message = (
+            f"Your team ({tenant}) has {queued} jobs queued and may have {limit}: submit this one once "
+            "some have started, or cancel some."
+        )
+    return ApiError(
+        429, "too_many_queued_jobs", message, headers={"Retry-After": str(QUEUE_FULL_RETRY_SECONDS)}
+    )
 
 
 def _taken_keys(connection: Connection, keyed: Sequence[NewJob]) -> dict[tuple[str, str], tuple[str, str]]:
@@ -397,7 +470,11 @@ def create_job(
     jobs through `api.writer` (`make_writer`), which stores the jobs of concurrent requests together."""
     own = session.get(Tenant, tenant)
     new = prepare_job(spec, settings, tenant, idempotency_key, Limits.of(own, settings))
-    [outcome] = write_jobs(session.connection(), [new])
+    try:
+        [outcome] = write_jobs(session.connection(), [new])
+    except QueueFull as full:
+        session.rollback()
+        raise full.error() from None
     session.commit()
     if isinstance(outcome, ApiError):
         raise outcome

@@ -155,15 +155,16 @@ class ApiKey(SQLModel, table=True):
 
 
 class Tenant(SQLModel, table=True):
-    """A tenant's own limits on what its jobs hold at once, where an admin set them (PATCH
-    /admin/tenants/{name}). A tenant without a row, or a limit NULL here, has the server's
-    (TPUTUNE_TENANT_MAX_ACTIVE_JOBS/CHIPS): api.tenants.Limits."""
+    """A tenant's own limits on what its jobs hold at once and how many may wait, where an admin set them
+    (PATCH /admin/tenants/{name}). A tenant without a row, or a limit NULL here, has the server's
+    (TPUTUNE_TENANT_MAX_ACTIVE_JOBS/CHIPS, TPUTUNE_TENANT_MAX_QUEUED_JOBS): api.tenants.Limits."""
 
     __tablename__ = "tenants"
 
     name: str = Field(max_length=64, primary_key=True)
     max_active_jobs: int | None = None
     max_active_chips: int | None = None
+    max_queued_jobs: int | None = None
     updated_at: datetime = Field(default_factory=utcnow, sa_type=DateTime(timezone=True), nullable=False)
     updated_by: str | None = Field(default=None, max_length=64)  # who set them, as Principal.who says
 

@@ -132,16 +132,17 @@ class _JobsByStatus(Collector):
             "TPU chips (local executor: processes) each tenant's active jobs hold",
             labels=["tenant"],
         )
-        max_jobs = GaugeMetricFamily(
-            "tputune_tenant_max_active_jobs",
-            "The jobs each tenant may have active at once (tenants with unfinished jobs or own limits)",
-            labels=["tenant"],
-        )
-        max_chips = GaugeMetricFamily(
-            "tputune_tenant_max_active_chips",
-            "The TPU chips (local executor: processes) each tenant's active jobs may hold",
-            labels=["tenant"],
-        )
+        maxima = {
+            "max_active_jobs": "The jobs each tenant may have active at once (tenants with unfinished "
+            "jobs or own limits)",
+            "max_active_chips": "The TPU chips (local executor: processes) each tenant's active jobs "
+            "may hold",
+            "max_queued_jobs": "The jobs each tenant may have queued; POST /jobs over it gets 429",
+        }
+        limit_families = {
+            name: GaugeMetricFamily(f"tputune_tenant_{name}", text, labels=["tenant"])
+            for name, text in maxima.items()
+        }
         counts = dict.fromkeys((s.value for s in JobStatus), 0)
         with Session(self.engine) as session:
             for status, count in session.exec(select(Job.status, func.count()).group_by(Job.status)):
@@ -160,12 +161,10 @@ class _JobsByStatus(Collector):
         yield held
         for tenant in sorted(set(used) | set(own)):
             limits = tenant_limits.Limits.of(own.get(tenant), self.settings)
-            if limits.max_active_jobs is not None:
-                max_jobs.add_metric([tenant], limits.max_active_jobs)
-            if limits.max_active_chips is not None:
-                max_chips.add_metric([tenant], limits.max_active_chips)
-        yield max_jobs
-        yield max_chips
+            for name, limit_family in limit_families.items():
+                if (value := getattr(limits, name)) is not None:
+                    limit_family.add_metric([tenant], value)
+        yield from limit_families.values()
 
 
 access_log = logging.getLogger("tputune.access")

@@ -157,6 +157,12 @@ class Settings(BaseSettings):
         description="TPU chips one tenant's running jobs may hold at once (local executor: processes); "
         "more wait queued, and a job bigger than this is refused.",
     )
+    tenant_max_queued_jobs: int | None = Field(
+        default=None,
+        ge=1,
+        description="Jobs one tenant may have queued (waiting to start) at once; POST /jobs over it is "
+        "refused with 429 (too_many_queued_jobs), so that a runaway script cannot fill the queue.",
+    )
 
     # --- the kubernetes executor (TPU JobSets on GKE) ---
     k8s_namespace: str = Field(default="tputune", description="Namespace of the JobSets, Secrets and Lease.")

@@ -1,7 +1,9 @@
-"""Each tenant's limits on what its jobs hold at once: its own, where an admin set them (the `tenants`
-table, PATCH /admin/tenants/{name}), else the server's (TPUTUNE_TENANT_MAX_ACTIVE_JOBS/CHIPS). Over a
-limit a job waits `queued` with the reason (api.dispatcher); a job bigger than the chip limit is refused
-when it is submitted (api.validation.check_spec), as it could never start. And what each tenant's jobs
+"""Each tenant's limits on what its jobs hold at once and how many may wait: its own, where an admin set
+them (the `tenants` table, PATCH /admin/tenants/{name}), else the server's
+(TPUTUNE_TENANT_MAX_ACTIVE_JOBS/CHIPS, TPUTUNE_TENANT_MAX_QUEUED_JOBS). Over an active limit a job waits
+`queued` with the reason (api.dispatcher); a job bigger than the chip limit is refused when it is
+submitted (api.validation.check_spec), as it could never start, and so is a job over the queued limit
+(api.jobs.write_one, in the transaction that stores it). And what each tenant's jobs
 hold now (`usage`) and held in a window of time (`spent`: chip-hours, GET /usage)."""
 
 from __future__ import annotations
@@ -36,20 +38,24 @@ class Limits:
 
     max_active_jobs: int | None
     max_active_chips: int | None
+    max_queued_jobs: int | None = None
 
     @classmethod
     def of(cls, row: Tenant | None, settings: Settings) -> Limits:
         """A tenant's own limits (`row`), each one it has no own of being the server's."""
-        jobs = row.max_active_jobs if row is not None else None
-        chips = row.max_active_chips if row is not None else None
-        return cls(
-            jobs if jobs is not None else settings.tenant_max_active_jobs,
-            chips if chips is not None else settings.tenant_max_active_chips,
-        )
+
+        def own_or_server(name: str) -> int | None:
+            value = getattr(row, name) if row is not None else None
+            return value if value is not None else getattr(settings, f"tenant_{name}")
+
+        return cls(*(own_or_server(name) for name in LIMITS))
 
     @property
     def any(self) -> bool:
-        return self.max_active_jobs is not None or self.max_active_chips is not None
+        return any(getattr(self, name) is not None for name in LIMITS)
+
+
+LIMITS = ("max_active_jobs", "max_active_chips", "max_queued_jobs")  # (Limits' fields, Tenant's columns)
 
 
 def load(session: Session) -> dict[str, Tenant]:

@@ -10,7 +10,8 @@ that takes every job waiting, writes them in one transaction (`api.jobs.write_jo
 statement per table, the rows as one JSON parameter; on PostgreSQL one statement, in autocommit unless
 Idempotency-Keys need reading first), commits once, and answers each request. Under load a batch holds the
 jobs that arrived while the previous one was written; an idle server writes a lone job at once. Nothing is
-acknowledged before its commit.
+acknowledged before its commit. The jobs of tenants with a limit on queued jobs are counted in it too
+(`api.jobs.write_jobs`).
 
 The jobs without an Idempotency-Key (most) skip the thread. On a SQLite file `SqliteWriter` writes those
 asked for in one turn of the event loop on the loop itself, when the write lock is free (the thread takes
@@ -44,6 +45,7 @@ from api.jobs import (
     PG_INSERT_NEW_JOBS,
     NewJob,
     Outcome,
+    QueueFull,
     pg_new_jobs_parameters,
     sqlite_new_jobs_statements,
     write_jobs,
@@ -139,21 +141,34 @@ class JobWriter:
                 self.on_commit()
 
     def _write(self, batch: list[NewJob]) -> list[Outcome | BaseException]:
-        try:
-            with self._connection(batch) as connection:
-                return list(write_jobs(connection, batch))
-        except IntegrityError:
-            # Another writer (an API replica) stored one of these Idempotency-Keys after write_jobs looked:
-            # write each job on its own, so only the requests that lost the race see the winner's job.
-            return [self._write_one(new) for new in batch]
-        except Exception as exc:  # the database is away (OperationalError: a 503), or a bug (a 500)
-            return [exc] * len(batch)
+        refused: dict[int, BaseException] = {}  # over their tenants' limits on queued jobs, by index
+        for _ in range(3):
+            todo = [i for i in range(len(batch)) if i not in refused]
+            try:
+                with self._connection([batch[i] for i in todo]) as connection:
+                    written = dict(zip(todo, write_jobs(connection, [batch[i] for i in todo]), strict=True))
+                return [written[i] if i in written else refused[i] for i in range(len(batch))]
+            except QueueFull as full:
+                # Rolled back: again without the jobs that did not fit. The tenants' other writers (replicas)
+                # may have changed their queues meanwhile: the next try counts again.
+                refused.update((todo[j], error) for j, error in full.refusals().items())
+            except IntegrityError:
+                # Another writer (an API replica) stored one of these Idempotency-Keys after write_jobs
+                # looked: write each job on its own, so only the requests that lost the race see the
+                # winner's job.
+                break
+            except Exception as exc:  # the database is away (OperationalError: a 503), or a bug (a 500)
+                return [refused.get(i, exc) for i in range(len(batch))]
+        return [refused[i] if i in refused else self._write_one(new) for i, new in enumerate(batch)]
 
     @contextlib.contextmanager
     def _connection(self, batch: list[NewJob]) -> Iterator[Connection]:
-        """A transaction; on PostgreSQL, for jobs without Idempotency-Keys, autocommit: write_jobs then
-        runs one statement, atomic on its own, and BEGIN and COMMIT would be two more round trips."""
-        if self.engine.dialect.name == "postgresql" and all(new.idempotency_key is None for new in batch):
+        """A transaction; on PostgreSQL, for jobs without Idempotency-Keys or limits on queued jobs,
+        autocommit: write_jobs then runs one statement, atomic on its own, and BEGIN and COMMIT would be
+        two more round trips."""
+        if self.engine.dialect.name == "postgresql" and all(
+            new.idempotency_key is None and new.max_queued is None for new in batch
+        ):
             with autocommit_connection(self.engine) as connection:
                 yield connection
         else:
@@ -211,7 +226,7 @@ class SqliteWriter:
     write lock (`api.db.SerializedWrites`) is free. When it is not (the dispatcher is committing), the
     batch waits on the loop, a try every `retry_seconds`, for up to `wait_seconds`; then it goes to a
     `JobWriter`, whose thread waits for the lock. The jobs with a key go there too (they read the keys
-    first, in the transaction).
+    first, in the transaction), and those of a tenant with a limit on queued jobs (counted in it).
 
     On the loop there is no thread to wake and no answer to hand back: with the writer on a thread, POST
     /jobs at 64 clients spent ~3 ms on each of those hops, more than the write, and the thread took its
@@ -246,7 +261,7 @@ class SqliteWriter:
         self._flush: asyncio.Handle | None = None
 
     async def create(self, new: NewJob) -> Outcome:
-        if new.idempotency_key is not None:
+        if new.idempotency_key is not None or new.max_queued is not None:
             return await self.keyed.create(new)
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # a new loop (a test's second client) starts afresh
@@ -375,7 +390,8 @@ class _Checkpoints:
 class PostgresWriter:
     """PostgreSQL: the jobs without an Idempotency-Key written from the event loop, on a psycopg async
     connection of its own; those with one go to a `JobWriter` (they need a transaction that reads the keys
-    first, and a retry that finds a key taken).
+    first, and a retry that finds a key taken), and so do those of a tenant with a limit on queued jobs
+    (a transaction that counts them after the insert).
 
     The jobs asked for while a statement runs are written together by the next one, as `JobWriter` does
     (one statement, `api.jobs.PG_INSERT_NEW_JOBS`, in autocommit: atomic on its own). On the event loop
@@ -409,7 +425,7 @@ class PostgresWriter:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def create(self, new: NewJob) -> Outcome:
-        if new.idempotency_key is not None:
+        if new.idempotency_key is not None or new.max_queued is not None:
             return await self.keyed.create(new)
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # connections belong to one loop; a new one (a test's) starts afresh

@@ -261,8 +261,8 @@ def test_invalid_settings_are_named_as_the_environment_names_them(
     assert len(lines) == 2
 
 
-def test_tenants_commands(live_api, capsys) -> None:  # type: ignore[no-untyped-def]
-    api = live_api(admin_key="the-admin-key-123", tenant_max_active_chips=8)
+def test_tenants_commands(live_api, dataset: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    api = live_api(admin_key="the-admin-key-123", tenant_max_active_chips=8, dispatcher_enabled=False)
     admin = ("--api-key", "the-admin-key-123")
     code, out, _ = run(api, capsys, *admin, "keys", "create", "--tenant", "research", "--name", "ci")
     member = ("--api-key", out.splitlines()[-1])
@@ -270,43 +270,47 @@ def test_tenants_commands(live_api, capsys) -> None:  # type: ignore[no-untyped-
     assert code == 0
     assert out.splitlines() == [
         "tenant research",
-        "  jobs:  0 active, limit none; 0 queued",
+        "  jobs:  0 active, limit none; 0 queued, limit none",
         "  processes: 0 held, limit 8 (server)",
     ]
     code, out, err = run(api, capsys, *member, "tenants", "set", "research", "--max-jobs", "9")
     assert code == 3 and "(admin_only)" in err
-    code, out, _ = run(
-        api, capsys, *admin, "tenants", "set", "research", "--max-jobs", "2", "--max-chips", "4"
-    )
+    limits = ("--max-jobs", "2", "--max-chips", "4", "--max-queued", "1")
+    code, out, _ = run(api, capsys, *admin, "tenants", "set", "research", *limits)
     assert code == 0 and out.splitlines()[1:3] == [
-        "  jobs:  0 active, limit 2; 0 queued",
+        "  jobs:  0 active, limit 2; 0 queued, limit 1",
         "  processes: 0 held, limit 4",
     ]
     assert out.splitlines()[3].startswith(
         "  limits set by the admin at " + time.strftime("%Y-%m-%d", time.gmtime())
     )
+    # Over the limit on queued jobs, `submit` says so.
+    job = ("submit", "--name", "a", "--model", "tiny", "--dataset", str(dataset))
+    assert run(api, capsys, *member, *job)[0] == 0
+    code, _, err = run(api, capsys, *member, *job)
+    assert code == 3 and "(too_many_queued_jobs)" in err and "has 1 jobs queued and may have 1" in err
     code, out, _ = run(api, capsys, *admin, "tenants", "set", "research", "--max-chips", "default")
     assert code == 0 and out.splitlines()[1:3] == [
-        "  jobs:  0 active, limit 2; 0 queued",
+        "  jobs:  0 active, limit 2; 1 queued, limit 1",
         "  processes: 0 held, limit 8 (server)",
     ]
     code, out, _ = run(api, capsys, *admin, "tenants", "set", "ops", "--max-jobs", "0")
     code, out, _ = run(api, capsys, *admin, "tenants", "list")
     assert code == 0 and out.splitlines()[0].split() == [
-        "TENANT", "ACTIVE", "MAX", "JOBS", "CHIPS", "MAX", "CHIPS", "QUEUED", "SET", "BY"
+        "TENANT", "ACTIVE", "MAX", "JOBS", "CHIPS", "MAX", "CHIPS", "QUEUED", "MAX", "QUEUED", "SET", "BY"
     ]  # fmt: skip
-    rows = {line.split()[0]: line.split()[1:7] for line in out.splitlines()[1:]}
+    rows = {line.split()[0]: line.split()[1:8] for line in out.splitlines()[1:]}
     assert rows == {
-        "ops": ["0", "0", "0", "8", "(server)", "0"],
-        "research": ["0", "2", "0", "8", "(server)", "0"],
+        "ops": ["0", "0", "0", "8", "(server)", "0", "none"],
+        "research": ["0", "2", "0", "8", "(server)", "1", "1"],
     }
     code, out, _ = run(api, capsys, *admin, "tenants", "show", "ops")
-    assert code == 0 and out.splitlines()[1] == "  jobs:  0 active, limit 0; 0 queued"
+    assert code == 0 and out.splitlines()[1] == "  jobs:  0 active, limit 0; 0 queued, limit none"
     with pytest.raises(SystemExit):
         main(["tenants", "set", "ops", "--max-jobs", "lots"])
     assert "expected a number or 'default'" in capsys.readouterr().err
     code, _, err = run(api, capsys, *admin, "tenants", "set", "ops")
-    assert code == 2 and "--max-jobs and/or --max-chips" in err
+    assert code == 2 and "--max-jobs, --max-chips or --max-queued" in err
 
     since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 7 * 86400))
     code, out, _ = run(api, capsys, *member, "usage", "--since", since)

@@ -598,11 +598,13 @@ def test_the_teams_page_sets_limits_and_a_team_sees_its_own(
     expect(page.get_by_label("Jobs active at once")).to_have_value("1")
     expect(page.get_by_label("TPU chips its jobs may hold")).to_have_value("")
     page.get_by_label("TPU chips its jobs may hold").fill("2")
+    page.get_by_label("Jobs queued at once").fill("1")
     page.get_by_role("button", name="Save limits").click()
     expect(alpha.locator(".chips")).to_have_text("0 of 2")
+    expect(alpha.locator(".queued")).to_have_text("1 of 1")
     with api.client() as http:
         own = http.get("/admin/tenants/alpha", headers=admin).json()["own_limits"]
-    assert own == {"max_active_jobs": 1, "max_active_chips": 2}
+    assert own == {"max_active_jobs": 1, "max_active_chips": 2, "max_queued_jobs": 1}
     page.get_by_label("Tenant", exact=True).fill("beta")
     page.get_by_label("Jobs active at once").fill("-1")  # (the browser's own check: min 0)
     page.get_by_role("button", name="Save limits").click()
@@ -612,8 +614,8 @@ def test_the_teams_page_sets_limits_and_a_team_sees_its_own(
     # The team sees its limits over its jobs; a member key gets the API's sentence on the teams page.
     team = sign_in(open_tab(api, "/ui/").page, member)
     expect(team.locator("#quota")).to_have_text(
-        "Your team (alpha): 0 of 1 jobs active · 0 of 2 processes held · 1 queued. "
-        "Over a limit, jobs wait queued."
+        "Your team (alpha): 0 of 1 jobs active · 0 of 2 processes held · 1 of 1 queued. "
+        "Over a limit, jobs wait queued. The queue is full: new jobs are refused until some start."
     )
     team.goto(f"{api.url}/ui/tenants")
     expect(team.locator("#tenants-error")).to_have_text(

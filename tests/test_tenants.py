@@ -4,6 +4,7 @@ and what the dispatcher holds back; on SQLite and PostgreSQL."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,7 +16,8 @@ from typing import Any
 import anyio
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import update
+from sqlalchemy import event, update
+from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from api import tenants
@@ -56,8 +58,8 @@ def body(dataset: Path, processes: int = 1, fake: str = "succeed") -> dict[str, 
     }
 
 
-def limits(jobs: int | None, chips: int | None) -> dict[str, int | None]:
-    return {"max_active_jobs": jobs, "max_active_chips": chips}
+def limits(jobs: int | None, chips: int | None, queued: int | None = None) -> dict[str, int | None]:
+    return {"max_active_jobs": jobs, "max_active_chips": chips, "max_queued_jobs": queued}
 
 
 def test_an_admin_sets_a_tenants_limits_and_the_team_sees_them(app_client: TestClient, dataset: Path) -> None:
@@ -98,6 +100,8 @@ def test_an_admin_sets_a_tenants_limits_and_the_team_sees_them(app_client: TestC
         ({"max_active_jobs": -1}, "max_active_jobs"),
         ({"max_active_chips": 0}, "max_active_chips"),
         ({"max_active_jobs": "many"}, "max_active_jobs"),
+        ({"max_queued_jobs": -1}, "max_queued_jobs"),
+        ({"max_queued_jobs": 1_000_001}, "max_queued_jobs"),
         ({"max_jobs": 3}, "max_jobs"),
     ]:
         response = app_client.patch("/admin/tenants/research", json=wrong, headers=admin)
@@ -161,6 +165,99 @@ def test_a_job_bigger_than_its_teams_chip_limit_is_refused(
             assert time.monotonic() < deadline, "the other process kept the old limit"
             time.sleep(0.1)
         assert other.post("/jobs", json=body(dataset, 3), headers=vision).status_code == 201
+
+
+def queued_ids(app_client: TestClient, key: dict[str, str]) -> set[str]:
+    page = app_client.get("/jobs", params={"status": "queued", "limit": 100}, headers=key).json()
+    return {job["id"] for job in page["data"]}
+
+
+def test_a_team_with_as_many_jobs_queued_as_it_may_is_refused_more(
+    app_client: TestClient, dataset: Path
+) -> None:
+    research, vision, admin = (
+        bearer(make_key(app_client, "research")),
+        bearer(make_key(app_client, "vision")),
+        bearer(ADMIN),
+    )
+    changed = app_client.patch("/admin/tenants/research", json={"max_queued_jobs": 2}, headers=admin)
+    assert changed.json()["limits"] == limits(None, 8, 2)
+    keyed = app_client.post("/jobs", json=body(dataset), headers={**research, "Idempotency-Key": "k1"})
+    assert keyed.status_code == 201
+    assert app_client.post("/jobs", json=body(dataset), headers=research).status_code == 201
+
+    for headers in (research, {**research, "Idempotency-Key": "k2"}):
+        refused = app_client.post("/jobs", json=body(dataset), headers=headers)
+        assert refused.status_code == 429, refused.text
+        assert refused.headers["retry-after"] == "30"
+        error = refused.json()["error"]
+        assert error["code"] == "too_many_queued_jobs"
+        assert error["message"] == (
+            "Your team (research) has 2 jobs queued and may have 2: submit this one once some have started, "
+            "or cancel some."
+        )
+    # The refused jobs were not stored (their rows rolled back), and their key is free for a retry.
+    assert len(queued_ids(app_client, research)) == 2
+    # A retry of a job that was created answers with it, full queue or not.
+    again = app_client.post("/jobs", json=body(dataset), headers={**research, "Idempotency-Key": "k1"})
+    assert again.status_code == 200 and again.json()["id"] == keyed.json()["id"]
+    # Another team's queue is its own.
+    assert app_client.post("/jobs", json=body(dataset), headers=vision).status_code == 201
+    # A job leaving the queue makes room for one.
+    assert app_client.post(f"/jobs/{keyed.json()['id']}/cancel", headers=research).status_code == 200
+    retried = app_client.post("/jobs", json=body(dataset), headers={**research, "Idempotency-Key": "k2"})
+    assert retried.status_code == 201, retried.text
+    assert app_client.post("/jobs", json=body(dataset), headers=research).status_code == 429
+    assert app_client.get("/tenant", headers=research).json()["usage"]["queued_jobs"] == 2
+
+    # 0: no new job is accepted; a lower limit leaves the queued ones be.
+    app_client.patch("/admin/tenants/research", json={"max_queued_jobs": 0}, headers=admin)
+    paused = app_client.post("/jobs", json=body(dataset), headers=research)
+    assert paused.status_code == 429
+    assert paused.json()["error"]["message"] == (
+        "Your team (research) may not queue new jobs now (its limit of queued jobs is 0); ask an admin to "
+        "raise it."
+    )
+    assert len(queued_ids(app_client, research)) == 2
+    # null: the server's (none here).
+    app_client.patch("/admin/tenants/research", json={"max_queued_jobs": None}, headers=admin)
+    assert app_client.post("/jobs", json=body(dataset), headers=research).status_code == 201
+    assert len(queued_ids(app_client, research)) == 3
+
+
+def test_concurrent_submissions_across_replicas_keep_to_the_limit_on_queued_jobs(
+    make_settings: Callable[..., Settings], dataset: Path
+) -> None:
+    """The server's TPUTUNE_TENANT_MAX_QUEUED_JOBS, four API processes on one database: with one place
+    left in the queue, 8 requests at once (half with Idempotency-Keys) get it for one job.
+    Each count of the queued jobs is held a moment before its transaction commits, so that the replicas'
+    writes overlap."""
+    settings = make_settings(
+        dispatcher_enabled=False, admin_key=ADMIN, rate_limit_per_second=0, tenant_max_queued_jobs=5
+    )
+
+    def slow_commit(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.startswith("SELECT jobs.tenant, count(*)"):
+            time.sleep(0.1)  # (a count done: the transaction's commit waits)
+
+    event.listen(Engine, "after_cursor_execute", slow_commit)
+    with contextlib.ExitStack() as stack:
+        stack.callback(event.remove, Engine, "after_cursor_execute", slow_commit)
+        replicas = [stack.enter_context(TestClient(create_app(settings))) for _ in range(4)]
+        key, other = bearer(make_key(replicas[0], "research")), bearer(make_key(replicas[0], "vision"))
+        assert replicas[1].get("/tenant", headers=key).json()["limits"] == limits(None, None, 5)
+
+        def submit(n: int, team: dict[str, str] = key) -> int:
+            headers = {**team, "Idempotency-Key": f"job-{n}"} if n % 2 else team
+            return replicas[n % 4].post("/jobs", json=body(dataset), headers=headers).status_code
+
+        assert [submit(n) for n in range(4)] == [201] * 4
+        with ThreadPoolExecutor(12) as pool:  # (and 4 of another team's, whose queue has room)
+            theirs = [pool.submit(submit, n, other) for n in range(100, 104)]
+            codes = list(pool.map(submit, range(4, 12)))
+        assert sorted(codes) == [201] + [429] * 7, codes
+        assert [future.result() for future in theirs] == [201] * 4
+        assert len(queued_ids(replicas[0], key)) == 5 and len(queued_ids(replicas[0], other)) == 4
 
 
 def test_concurrent_changes_to_a_new_tenant_all_succeed(app_client: TestClient) -> None:

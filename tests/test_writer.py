@@ -25,6 +25,7 @@ from api.jobs import NewJob, Outcome, read_job_row
 from api.migrate import upgrade
 from api.schemas import JobCreate, JobPublic
 from api.settings import Settings
+from api.tenants import Limits
 from api.writer import JobWriter, PostgresWriter, SqliteWriter, make_writer
 from tests.support.postgres import PostgresServer
 
@@ -106,6 +107,59 @@ def test_concurrent_creates_share_transactions_and_get_their_own_answers(
     events = "SELECT count(*) FROM job_events WHERE type = 'status' AND message = 'Job created and queued.'"
     assert _count(engine, events) == created + 1
     assert _count(engine, "SELECT count(*) FROM idempotency_keys") == 3  # old, alpha's k1, beta's k1
+    engine.dispose()
+
+
+def test_a_batch_keeps_each_tenants_limit_on_queued_jobs(
+    make_settings: Callable[..., Settings], dataset: Path
+) -> None:
+    """One batch of several tenants' jobs: those over their tenant's limit on queued jobs are refused
+    (the last of the tenant's, once its queue is full), the others stored, in one go."""
+    settings = make_settings(dispatcher_enabled=False)
+    engine = make_engine(settings.resolved_database_url)
+    with Session(engine) as session:
+        for i in range(2):
+            service.create_job(session, _spec(dataset, f"before-{i}"), settings, "alpha", f"old-{i}")
+
+    def new(name: str, tenant: str, max_queued: int | None, key: str | None = None) -> NewJob:
+        limits = Limits(None, None, max_queued)
+        return service.prepare_job(_spec(dataset, name), settings, tenant, key, limits)
+
+    alpha = [new(f"a{i}", "alpha", 4) for i in range(4)]  # room for 2
+    repeat = new("before-0", "alpha", 4, "old-0")  # a retry of a stored job: that job, full queue or not
+    beta = new("b", "beta", 0)
+    gamma = [new(f"g{i}", "gamma", 10) for i in range(3)]
+    delta = [new(f"d{i}", "delta", None) for i in range(2)]
+    batch = [alpha[0], gamma[0], beta, alpha[1], repeat, alpha[2], *delta, gamma[1], alpha[3], gamma[2]]
+    try:
+        outcomes = dict(zip([id(n) for n in batch], JobWriter(engine)._write(batch), strict=True))
+    finally:
+        engine.dispose()
+
+    def created(n: NewJob) -> bool:
+        outcome = outcomes[id(n)]
+        return isinstance(outcome, Outcome) and outcome.created and outcome.job.id == n.id
+
+    def refused(n: NewJob) -> str:
+        outcome = outcomes[id(n)]
+        assert isinstance(outcome, ApiError) and outcome.status == 429, outcome
+        assert outcome.code == "too_many_queued_jobs" and outcome.headers == {"Retry-After": "30"}
+        return outcome.message
+
+    assert [created(n) for n in (*alpha[:2], *gamma, *delta)] == [True] * 7
+    assert {refused(n) for n in alpha[2:]} == {
+        "Your team (alpha) has 4 jobs queued and may have 4: submit this one once some have started, or "
+        "cancel some."
+    }
+    assert refused(beta).startswith("Your team (beta) may not queue new jobs now")
+    again = outcomes[id(repeat)]
+    assert isinstance(again, Outcome) and not again.created and again.job.name == "before-0"
+    queued = "SELECT count(*) FROM jobs WHERE tenant = :t AND status = 'queued'"
+    assert [_count(engine, queued, t=t) for t in ("alpha", "beta", "gamma", "delta")] == [4, 0, 3, 2]
+    # Nothing of the refused jobs was left behind.
+    for n in (*alpha[2:], beta):
+        assert _count(engine, "SELECT count(*) FROM jobs WHERE id = :id", id=n.id) == 0
+    assert _count(engine, "SELECT count(*) FROM job_events") == 4 + 3 + 2
     engine.dispose()
 
 

@@ -123,6 +123,11 @@ _PROGRESS_EXAMPLE = {
         409: {"model": ErrorResponse, "description": "The Idempotency-Key was used with another body."},
         413: {"model": ErrorResponse, "description": "The body is too large."},
         422: {"model": ErrorResponse, "description": "The spec is invalid; `error.code` says how."},
+        429: {
+            "model": ErrorResponse,
+            "description": "Too many requests for this key (rate_limited), or the team has as many jobs "
+            "queued as it may (too_many_queued_jobs); see Retry-After.",
+        },
     },
 )
 async def create_job(request: Request) -> Response:

@@ -18,7 +18,7 @@ from api.errors import ApiError
 from api.models import ApiKey, Tenant, as_utc, utcnow
 from api.schemas import ErrorResponse, error_responses
 from api.settings import Settings
-from api.tenants import Limits, Spent, Usage, load, spent, usage
+from api.tenants import LIMITS, Limits, Spent, Usage, load, spent, usage
 from api.validation import chip_unit
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,9 @@ class LimitValues(BaseModel):
         description="TPU chips (local executor: processes) its active jobs may hold at once; more wait "
         "queued, and a job that needs more is refused."
     )
+    max_queued_jobs: int | None = Field(
+        description="Jobs it may have waiting to start; POST /jobs over it is refused (429)."
+    )
 
 
 class TenantUsage(BaseModel):
@@ -50,7 +53,7 @@ class TenantPublic(BaseModel):
     limits: LimitValues = Field(description="What holds now; null: no limit.")
     own_limits: LimitValues = Field(
         description="The limits an admin set for this tenant; null: the server's "
-        "(TPUTUNE_TENANT_MAX_ACTIVE_JOBS/CHIPS) hold."
+        "(TPUTUNE_TENANT_MAX_ACTIVE_JOBS/CHIPS, TPUTUNE_TENANT_MAX_QUEUED_JOBS) hold."
     )
     usage: TenantUsage
     chip_unit: str = Field(
@@ -66,13 +69,8 @@ class TenantPublic(BaseModel):
         limits = Limits.of(row, settings)
         return cls(
             name=name,
-            limits=LimitValues(
-                max_active_jobs=limits.max_active_jobs, max_active_chips=limits.max_active_chips
-            ),
-            own_limits=LimitValues(
-                max_active_jobs=row.max_active_jobs if row else None,
-                max_active_chips=row.max_active_chips if row else None,
-            ),
+            limits=LimitValues(**{field: getattr(limits, field) for field in LIMITS}),
+            own_limits=LimitValues(**{field: getattr(row, field) if row else None for field in LIMITS}),
             usage=TenantUsage(
                 active_jobs=used.active_jobs if used else 0,
                 queued_jobs=used.queued_jobs if used else 0,
@@ -106,10 +104,19 @@ class TenantLimitsUpdate(BaseModel):
         description="TPU chips (local executor: processes) its active jobs may hold at once; null: the "
         "server's TPUTUNE_TENANT_MAX_ACTIVE_CHIPS.",
     )
+    max_queued_jobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=LIMIT_MAX,
+        description="Jobs it may have waiting to start; a new job over it is refused with 429 "
+        "too_many_queued_jobs (0: none are accepted); null: the server's TPUTUNE_TENANT_MAX_QUEUED_JOBS.",
+    )
 
     model_config = {
         "extra": "forbid",
-        "json_schema_extra": {"examples": [{"max_active_jobs": 4, "max_active_chips": 64}]},
+        "json_schema_extra": {
+            "examples": [{"max_active_jobs": 4, "max_active_chips": 64, "max_queued_jobs": 100}]
+        },
     }
 
 
@@ -179,7 +186,8 @@ def set_tenant_limits(
 ) -> Response:
     """The fields given change; null gives the tenant the server's limit back. Its queued jobs start at
     once if they now fit; running jobs go on even if they no longer do. A lower chip limit refuses new
-    jobs bigger than it (a job already queued that needs more waits, saying so)."""
+    jobs bigger than it (a job already queued that needs more waits, saying so). A lower limit on queued
+    jobs refuses new ones until the queue is below it; the queued ones stay."""
     changes = body.model_dump(include=body.model_fields_set)
     row = session.get(Tenant, name)
     for attempt in range(2):

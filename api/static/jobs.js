@@ -71,7 +71,7 @@ async function showQuota() {
   const quota = document.getElementById("quota");
   const tenant = await api("/tenant").catch(() => null);
   const limits = tenant?.limits;
-  if (!tenant || (limits.max_active_jobs === null && limits.max_active_chips === null)) {
+  if (!tenant || Object.values(limits).every((limit) => limit === null)) {
     quota.hidden = true;
     return;
   }
@@ -79,9 +79,11 @@ async function showQuota() {
   const parts = [
     `${of(tenant.usage.active_jobs, limits.max_active_jobs)} jobs active`,
     `${of(tenant.usage.chips, limits.max_active_chips)} ${tenant.chip_unit} held`,
-    `${tenant.usage.queued_jobs} queued`,
+    `${of(tenant.usage.queued_jobs, limits.max_queued_jobs)} queued`,
   ];
-  quota.textContent = `Your team (${tenant.name}): ${parts.join(" · ")}. Over a limit, jobs wait queued.`;
+  const full = limits.max_queued_jobs !== null && tenant.usage.queued_jobs >= limits.max_queued_jobs;
+  const over = full ? " The queue is full: new jobs are refused until some start." : "";
+  quota.textContent = `Your team (${tenant.name}): ${parts.join(" · ")}. Over a limit, jobs wait queued.${over}`;
   quota.hidden = false;
 }
 

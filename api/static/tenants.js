@@ -20,6 +20,7 @@ function row(tenant, spent) {
     form.elements.tenant.value = tenant.name;
     form.elements.jobs.value = tenant.own_limits.max_active_jobs ?? "";
     form.elements.chips.value = tenant.own_limits.max_active_chips ?? "";
+    form.elements.queued.value = tenant.own_limits.max_queued_jobs ?? "";
     form.elements.jobs.focus();
   });
   const set = tenant.updated_at ? `${tenant.updated_by ?? ""} ${tenant.updated_at.slice(0, 16).replace("T", " ")}` : "";
@@ -27,7 +28,7 @@ function row(tenant, spent) {
     el("td", { text: tenant.name }),
     el("td", { text: ofLimit(tenant.usage.active_jobs, tenant, "max_active_jobs"), className: "num jobs" }),
     el("td", { text: ofLimit(tenant.usage.chips, tenant, "max_active_chips"), className: "num chips" }),
-    el("td", { text: tenant.usage.queued_jobs, className: "num queued" }),
+    el("td", { text: ofLimit(tenant.usage.queued_jobs, tenant, "max_queued_jobs"), className: "num queued" }),
     el("td", { text: formatNumber(spent?.chip_hours ?? 0, 3), className: "num spent" }),
     el("td", { text: set.trim(), className: "muted" }),
     el("td", {}, [edit]),
@@ -53,7 +54,11 @@ form.addEventListener("submit", async (event) => {
     await api(`/admin/tenants/${encodeURIComponent(data.get("tenant"))}`, {
       method: "PATCH",
       headers: { "Content-Type": "application/json" },
-      body: JSON.stringify({ max_active_jobs: number("jobs"), max_active_chips: number("chips") }),
+      body: JSON.stringify({
+        max_active_jobs: number("jobs"),
+        max_active_chips: number("chips"),
+        max_queued_jobs: number("queued"),
+      }),
     });
     error.hidden = true;
     form.reset();
