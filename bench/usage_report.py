@@ -1,7 +1,9 @@
 """What `GET /usage` (each team's chip-hours and tokens in a window) costs with many jobs stored.
 
 `--jobs` jobs (default 100,000) of 20 tenants, in three shapes, each run for up to a few hours at some time
-in the last 60 days, inserted straight into the database; then the report through the app in-process
+in the last 60 days (one in 20 preempted once, and back after a wait), inserted straight into the database
+with their status events (the moves the report reads) and 10 metrics events each; then the report
+through the app in-process
 (TestClient: the route, its query and the JSON), as an admin (every tenant, the last 30 days: about half
 the jobs) and as one tenant. Median wall time of `--rounds` calls. Last line: one JSON object.
 
@@ -30,7 +32,7 @@ from sqlalchemy import insert  # noqa: E402
 from api.jobs import new_job_id  # noqa: E402
 from api.main import create_app  # noqa: E402
 from api.migrate import upgrade  # noqa: E402
-from api.models import Job, utcnow  # noqa: E402
+from api.models import Job, JobEvent, utcnow  # noqa: E402
 from api.settings import Settings  # noqa: E402
 from bench.databases import Databases  # noqa: E402
 
@@ -74,12 +76,42 @@ def seed(settings: Settings, jobs: int) -> float:
                 }
             )
         with engine.begin() as connection:
-            connection.execute(insert(Job.__table__), rows)  # type: ignore[attr-defined]
+            table = Job.__table__  # type: ignore[attr-defined]
+            statement = insert(table).returning(table.c.seq, sort_by_parameter_order=True)
+            seqs = connection.execute(statement, rows).scalars().all()
+            events = [event for seq, row in zip(seqs, rows, strict=True) for event in history(seq, row, rng)]
+            connection.execute(insert(JobEvent.__table__), events)  # type: ignore[attr-defined]
     if engine.dialect.name == "postgresql":
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
             connection.exec_driver_sql("VACUUM ANALYZE jobs")
+            connection.exec_driver_sql("VACUUM ANALYZE job_events")
     engine.dispose()
     return time.monotonic() - started
+
+
+def history(seq: int, job: dict[str, Any], rng: random.Random) -> list[dict[str, Any]]:
+    """A finished job's events as the API would have written them: its moves (status events), one in 20
+    preempted once in the middle of its run, and 10 metrics reports."""
+    began, ended = job["started_at"], job["finished_at"]
+    moves = [("queued", began - timedelta(minutes=2)), ("starting", began - timedelta(minutes=1))]
+    moves.append(("running", began))
+    if rng.random() < 0.05:
+        middle = began + (ended - began) / 2
+        moves += [("queued", middle), ("starting", middle + timedelta(minutes=10))]
+        moves.append(("running", middle + timedelta(minutes=12)))
+    moves.append(("succeeded", ended))
+    events = [
+        {"job_seq": seq, "created_at": at, "type": "status", "level": "info", "message": f"→ {status}",
+         "step": None, "data": {"status": status}, "dedupe_key": None}
+        for status, at in moves
+    ]  # fmt: skip
+    for step in range(10, 110, 10):
+        at = began + (ended - began) * step / 100
+        events.append(
+            {"job_seq": seq, "created_at": at, "type": "metrics", "level": "info", "message": "",
+             "step": step, "data": {"loss": 2.0}, "dedupe_key": f"metrics:{step}:"}
+        )  # fmt: skip
+    return events
 
 
 def timed(client: TestClient, rounds: int, **params: str) -> tuple[float, dict[str, Any]]:

@@ -19,13 +19,13 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from playwright.sync_api import Browser, ConsoleMessage, Page, Request, expect, sync_playwright
-from sqlalchemy import create_engine, update
+from sqlalchemy import create_engine, insert, update
 from sqlmodel import Session, col, select
 
 from api.auth import COOKIE_NAME, DEFAULT_TENANT
 from api.jobs import new_job_token, transition
 from api.migrate import upgrade
-from api.models import Job
+from api.models import Job, JobEvent
 from api.routes.dashboard import STATIC_DIR
 from api.states import JobStatus
 from tests.conftest import LiveApi
@@ -574,6 +574,11 @@ def test_the_teams_page_sets_limits_and_a_team_sees_its_own(
     with engine.begin() as connection:
         started = datetime.now(UTC) - timedelta(minutes=90)
         connection.execute(update(Job).where(col(Job.id) == job_id).values(started_at=started))
+        seq = connection.execute(select(Job.seq).where(col(Job.id) == job_id)).scalar_one()
+        moved = {"status": "running", "from": "starting"}
+        connection.execute(
+            insert(JobEvent).values(job_seq=seq, created_at=started, type="status", data=moved)
+        )
     engine.dispose()
 
     tab = open_tab(api, "/ui/")

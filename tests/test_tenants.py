@@ -18,11 +18,11 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import event, update
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
+from sqlmodel import Session, select
 
 from api import tenants
 from api.main import create_app
-from api.models import Job, Tenant
+from api.models import Job, JobEvent, Tenant
 from api.settings import Settings
 from tests.test_auth import ADMIN, bearer, make_key
 
@@ -353,6 +353,19 @@ def test_the_dispatcher_holds_each_tenants_jobs_to_its_own_limits(live_api, data
         # Its reasons changed while it waited (no jobs now, then too big): one event, the first reason.
         said = [e["message"] for e in events(http, big, keys["research"]) if (e["data"] or {}).get("waiting")]
         assert said == ["Waiting: your team may run no jobs now (limit 0); ask your admin to raise it."]
+        # What they ran, from the status events the dispatcher wrote: each job that ran, its processes for
+        # as long as it ran (the big one 2 processes).
+        used = {row["tenant"]: row for row in http.get("/usage").json()["data"]}
+        assert used["research"]["jobs"] == 4 and 0 < used["research"]["chip_hours"] < 0.1
+        history = events(http, big, keys["research"])
+        moves = [(e["created_at"], e["data"]["status"]) for e in history if "status" in (e["data"] or {})]
+        ran = [at for at, status in moves if status == "running"] + [moves[-1][0]]
+        assert [status for _, status in moves][-2:] == ["running", "succeeded"]
+        mine = http.get("/usage", params={"tenant": "research"}).json()["data"][0]["chip_hours"]
+        assert (
+            mine
+            >= 2 * (datetime.fromisoformat(ran[-1]) - datetime.fromisoformat(ran[0])).total_seconds() / 3600
+        )
 
 
 def test_a_change_made_here_outlives_a_read_that_began_before_it() -> None:
@@ -399,20 +412,43 @@ def test_usage_reports_each_teams_chip_hours_and_tokens(app_client: TestClient, 
     idle = bearer(make_key(app_client, "idle"))
     now = datetime.now(UTC)
     hour, day = timedelta(hours=1), timedelta(days=1)
-    # (processes, key, started, finished, tokens): the history as the dispatcher and workers would write it
+    # (processes, key, its moves after it was queued: (status, how long ago), tokens): the history as the
+    # dispatcher and workers would write it
+    # (a worker's report of its phase is a status event too, as is why a job waits: not moves)
+    preempted = [("running", 10 * hour), ("phase", 9.8 * hour), ("queued", 9 * hour), ("waiting", 8.9 * hour)]
+    preempted += [("starting", 8.2 * hour)]
+    preempted += [("running", 8 * hour), ("succeeded", 7 * hour)]
     history = [
-        (2, research, now - 3 * hour, now - hour, 1_000),  # 2 processes for 2 h
-        (1, research, now - 40 * day, now - 29 * day, 500),  # one day of it in the last 30
-        (1, research, now - 60 * day, now - 31 * day, 7),  # before the window
-        (1, vision, now - 2 * hour, None, 300),  # running: until now
-        (1, vision, None, None, 0),  # never ran
+        (2, research, [("starting", 3.1 * hour), ("running", 3 * hour), ("succeeded", hour)], 1_000),  # 2 h
+        (1, research, [("running", 40 * day), ("succeeded", 29 * day)], 500),  # one day of it in the last 30
+        (1, research, [("running", 60 * day), ("succeeded", 31 * day)], 7),  # before the window
+        (1, research, [("running", 20 * hour), ("cancelling", 19.5 * hour), ("cancelled", 19 * hour)], 0),
+        (1, vision, [("running", 2 * hour)], 300),  # running: until now
+        (1, vision, [], 0),  # never ran
+        # Preempted (Kueue): back to the queue for an hour, then it ran again; the wait is not counted.
+        (1, vision, preempted, 0),
+        (1, vision, [("running", 5 * hour), ("queued", 4 * hour)], 0),  # preempted, and waiting still: 1 h
     ]
     engine = app_client.app.state.engine  # type: ignore[attr-defined]
-    for processes, key, started, finished, tokens in history:
+    for processes, key, moves, tokens in history:
         job_id = app_client.post("/jobs", json=body(dataset, processes), headers=key).json()["id"]
         with Session(engine) as session:
-            values = {"started_at": started, "finished_at": finished, "trained_tokens": tokens}
-            session.execute(update(Job).where(Job.id == job_id).values(**values))  # type: ignore[arg-type]
+            job = session.exec(select(Job).where(Job.id == job_id)).one()
+            status = "queued"
+            for target, ago in moves:
+                data: dict[str, Any] = {"status": target, "from": status}
+                if target == "phase":
+                    data = {"kind": "status", "phase": "training", "message": "Training."}
+                elif target == "waiting":
+                    data = {"waiting": "team_limit"}
+                else:
+                    status = target
+                session.add(JobEvent(job_seq=job.seq, created_at=now - ago, type="status", data=data))
+            runs = [now - ago for target, ago in moves if target == "running"]
+            job.status, job.trained_tokens = status, tokens
+            job.started_at = runs[0] if runs else None
+            job.finished_at = now - moves[-1][1] if status in FINAL else None
+            session.add(job)
             session.commit()
 
     def report(key: dict[str, str], **params: str) -> dict[str, Any]:
@@ -425,15 +461,23 @@ def test_usage_reports_each_teams_chip_hours_and_tokens(app_client: TestClient, 
     assert datetime.fromisoformat(every["until"]) - datetime.fromisoformat(every["since"]) == 30 * day
     rows = {row["tenant"]: row for row in every["data"]}
     assert rows.keys() == {"research", "vision"}  # (idle ran nothing)
-    assert rows["research"]["jobs"] == 2 and rows["research"]["trained_tokens"] == 1_500
-    assert rows["research"]["chip_hours"] == pytest.approx(2 * 2 + 24, abs=0.01)
-    assert rows["vision"]["jobs"] == 1 and rows["vision"]["chip_hours"] == pytest.approx(2, abs=0.01)
+    assert rows["research"]["jobs"] == 3 and rows["research"]["trained_tokens"] == 1_500
+    assert rows["research"]["chip_hours"] == pytest.approx(2 * 2 + 24 + 1, abs=0.01)  # (cancelling: held)
+    assert rows["vision"]["jobs"] == 3 and rows["vision"]["chip_hours"] == pytest.approx(2 + 2 + 1, abs=0.01)
 
     # A window: what ran in it only.
     since, until = (now - 2.5 * hour).isoformat(), (now - 1.5 * hour).isoformat()
     rows = {row["tenant"]: row for row in report(bearer(ADMIN), since=since, until=until)["data"]}
     assert rows["research"]["chip_hours"] == pytest.approx(2 * 1, abs=0.001)
     assert rows["vision"]["chip_hours"] == pytest.approx(0.5, abs=0.001)
+    # The preempted job's last half hour of each run; not the hour in the queue between.
+    since, until = (now - 9.5 * hour).isoformat(), (now - 7.5 * hour).isoformat()
+    rows = {row["tenant"]: row for row in report(bearer(ADMIN), since=since, until=until)["data"]}
+    assert rows["vision"]["chip_hours"] == pytest.approx(1.0, abs=0.001)
+    assert rows["vision"]["jobs"] == 1
+    # A job preempted and waiting in the queue holds nothing, and has not run in a window since.
+    waiting = report(bearer(ADMIN), since=(now - 3.5 * hour).isoformat(), until=(now - 3 * hour).isoformat())
+    assert waiting["data"] == []
 
     # A team sees its own, and its line also when it ran nothing; not another team's.
     assert [row["tenant"] for row in report(research)["data"]] == ["research"]
@@ -441,7 +485,7 @@ def test_usage_reports_each_teams_chip_hours_and_tokens(app_client: TestClient, 
     other = app_client.get("/usage", params={"tenant": "vision"}, headers=research)
     assert other.status_code == 403 and other.json()["error"]["code"] == "admin_only"
     assert [row["tenant"] for row in report(bearer(ADMIN), tenant="vision")["data"]] == ["vision"]
-    assert report(vision, tenant="vision")["data"][0]["jobs"] == 1
+    assert report(vision, tenant="vision")["data"][0]["jobs"] == 3
 
     for params, code in [
         ({"since": until, "until": since}, "empty_window"),

@@ -218,7 +218,8 @@ class TenantSpent(BaseModel):
     jobs: int = Field(description="Jobs that ran in the window, for some of it at least.")
     chip_hours: float = Field(
         description="Chips (local executor: processes) times the hours each job held them, in the window: "
-        "from its first report (running) until it ended, or now."
+        "while it was running or cancelling (from its first report until it ended, or now, less any time "
+        "back in the queue after a preemption)."
     )
     trained_tokens: int = Field(description="The tokens those jobs trained on, all of each.")
 
