@@ -657,6 +657,8 @@ def transition(
         values["status_message"] = message
     if target == JobStatus.running and job.started_at is None:
         values.setdefault("started_at", now)
+    if current == JobStatus.running and target == JobStatus.queued:  # (preempted: the usage report asks)
+        values["preemptions"] = job.preemptions + 1
     if target in FINAL:
         values.setdefault("finished_at", now)
         values.setdefault("eta_seconds", None)

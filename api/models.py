@@ -68,6 +68,9 @@ class Job(SQLModel, table=True):
     tokens_per_second: float | None = None
     trained_tokens: int = Field(default=0, sa_type=BigInteger)
     restarts: int = 0
+    # Moves from running back to queued (Kueue preempted it): api.tenants.spent reads when such a job ran
+    # from its status events.
+    preemptions: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
     error_code: str | None = Field(default=None, max_length=64)
     error_message: str | None = Field(default=None, max_length=4000)
     output_uri: str = Field(max_length=2048)

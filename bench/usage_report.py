@@ -73,13 +73,14 @@ def seed(settings: Settings, jobs: int) -> float:
                     "step": 100,
                     "trained_tokens": 1_000_000,
                     "restarts": 0,
+                    "preemptions": int(rng.random() < 0.05),
                 }
             )
         with engine.begin() as connection:
             table = Job.__table__  # type: ignore[attr-defined]
             statement = insert(table).returning(table.c.seq, sort_by_parameter_order=True)
             seqs = connection.execute(statement, rows).scalars().all()
-            events = [event for seq, row in zip(seqs, rows, strict=True) for event in history(seq, row, rng)]
+            events = [event for seq, row in zip(seqs, rows, strict=True) for event in history(seq, row)]
             connection.execute(insert(JobEvent.__table__), events)  # type: ignore[attr-defined]
     if engine.dialect.name == "postgresql":
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
@@ -89,13 +90,13 @@ def seed(settings: Settings, jobs: int) -> float:
     return time.monotonic() - started
 
 
-def history(seq: int, job: dict[str, Any], rng: random.Random) -> list[dict[str, Any]]:
+def history(seq: int, job: dict[str, Any]) -> list[dict[str, Any]]:
     """A finished job's events as the API would have written them: its moves (status events), one in 20
     preempted once in the middle of its run, and 10 metrics reports."""
     began, ended = job["started_at"], job["finished_at"]
     moves = [("queued", began - timedelta(minutes=2)), ("starting", began - timedelta(minutes=1))]
     moves.append(("running", began))
-    if rng.random() < 0.05:
+    if job["preemptions"]:
         middle = began + (ended - began) / 2
         moves += [("queued", middle), ("starting", middle + timedelta(minutes=10))]
         moves.append(("running", middle + timedelta(minutes=12)))

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from pathlib import Path
 
-from sqlalchemy import create_engine, inspect, text
+from sqlalchemy import create_engine, insert, inspect, text
 
+from api.db import make_engine
+from api.jobs import prepare_job, write_jobs
 from api.migrate import downgrade, upgrade
+from api.models import JobEvent, utcnow
+from api.schemas import JobCreate
+from api.settings import Settings
 
 TABLES = {"jobs", "job_events", "job_metadata", "idempotency_keys", "api_keys", "key_usage", "tenants"}
 
@@ -72,3 +79,54 @@ def test_replicas_starting_at_once_migrate_once(database_url: str) -> None:
         versions = connection.execute(text("SELECT version_num FROM alembic_version")).all()
     engine.dispose()
     assert len(versions) == 1
+
+
+def test_job_preemptions_are_counted_from_the_moves_stored_before(
+    make_settings: Callable[..., Settings], dataset: Path
+) -> None:
+    """0007 counts each job's moves from running back to queued (Kueue preemptions) made before it; its
+    downgrade drops the column only, not the jobs' events."""
+    settings = make_settings()
+    url = settings.resolved_database_url
+    downgrade(url, "0006")
+    engine = make_engine(url)
+    spec = JobCreate.model_validate({"name": "j", "model": "tiny", "dataset_uri": str(dataset)})
+    jobs = [prepare_job(spec, settings, "alpha") for _ in range(2)]
+    moves = {
+        jobs[0].id: ["starting", "running", "queued", "starting", "running", "queued", "starting"],
+        jobs[1].id: ["starting", "queued", "starting", "running", "succeeded"],  # (held back before it ran)
+    }
+    with engine.begin() as connection:
+        write_jobs(connection, jobs)  # (the writer's statements name their columns: no preemptions)
+        for job_id, statuses in moves.items():
+            seq = connection.execute(text("SELECT seq FROM jobs WHERE id = :id"), {"id": job_id}).scalar_one()
+            previous = "queued"
+            for status in statuses:
+                data = {"status": status, "from": previous}
+                row = {"job_seq": seq, "created_at": utcnow(), "type": "status", "message": "", "data": data}
+                connection.execute(insert(JobEvent.__table__), row)  # type: ignore[attr-defined]
+                previous = status
+            phase = {"kind": "status", "phase": "training", "from": "running", "message": "queued"}
+            row = {"job_seq": seq, "created_at": utcnow(), "type": "status", "message": "", "data": phase}
+            connection.execute(insert(JobEvent.__table__), row)  # type: ignore[attr-defined]
+    events = "SELECT count(*) FROM job_events"
+    with engine.connect() as connection:
+        stored = connection.execute(text(events)).scalar_one()
+    engine.dispose()
+
+    upgrade(url)
+    engine = make_engine(url)
+    with engine.connect() as connection:
+        counted = dict(connection.execute(text("SELECT id, preemptions FROM jobs")).all())  # type: ignore[arg-type]
+    engine.dispose()
+    assert counted == {jobs[0].id: 2, jobs[1].id: 0}
+
+    downgrade(url, "0006")
+    engine = make_engine(url)
+    with engine.connect() as connection:
+        columns = {column["name"] for column in inspect(connection).get_columns("jobs")}
+        assert "preemptions" not in columns
+        assert connection.execute(text(events)).scalar_one() == stored
+        assert connection.execute(text("SELECT count(*) FROM jobs")).scalar_one() == 2
+    engine.dispose()
+    upgrade(url)

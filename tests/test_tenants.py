@@ -442,6 +442,7 @@ def test_usage_reports_each_teams_chip_hours_and_tokens(app_client: TestClient, 
                 elif target == "waiting":
                     data = {"waiting": "team_limit"}
                 else:
+                    job.preemptions += status == "running" and target == "queued"  # (as transition does)
                     status = target
                 session.add(JobEvent(job_seq=job.seq, created_at=now - ago, type="status", data=data))
             runs = [now - ago for target, ago in moves if target == "running"]

@@ -3,8 +3,8 @@
 import { api, el, formatNumber } from "./common.js";
 
 const REFRESH_MS = 5000;
-// What each team ran in 30 days changes slowly, and its report reads the moves of every job of the window
-// (0.6 s with 50,000 jobs in it, bench/usage_report.py): once a minute, not every 5 s.
+// What each team ran in 30 days changes slowly, and its report reads every job of the window (0.3 s with
+// 50,000 jobs in it on SQLite, bench/usage_report.py): once a minute, not every 5 s.
 const USAGE_REFRESH_MS = 60000;
 let spent = new Map();
 let spentAt = -Infinity;
