@@ -94,7 +94,7 @@ class NewJob:
     idempotency_key: str | None
     request_hash: str | None  # of the spec, when there is an idempotency key
     spec_json: str  # row["spec"] as JSON text (stored as such on SQLite, and shown in the response)
-    max_queued: int | None = None  # its tenant's limit on queued jobs (`write_one` keeps to it)
+    max_queued: int | None = None  # its tenant's limit on queued jobs (`write_jobs` keeps to it)
 
     @property
     def id(self) -> str:
