@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -626,6 +627,39 @@ def test_the_teams_page_sets_limits_and_a_team_sees_its_own(
     expect(team.locator("#tenants-error")).to_have_text(
         "Only an admin key (TPUTUNE_ADMIN_KEY, or one created as admin) may set tenants' limits."
     )
+
+
+def test_the_teams_page_asks_for_the_usage_report_once_a_minute(
+    live_api: Callable[..., LiveApi], open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    """The teams' limits every 5 s; what they ran in 30 days (which reads every job of the window) once a
+    minute. The page's clock is the test's."""
+    api = live_api(dispatcher_enabled=False, admin_key=ADMIN)
+    with api.client() as http:
+        changed = http.patch(
+            "/admin/tenants/alpha", json={"max_active_jobs": 2}, headers={"Authorization": f"Bearer {ADMIN}"}
+        )
+        assert changed.status_code == 200
+    tab = open_tab(api, "/ui/")
+    page = sign_in(tab.page, ADMIN)
+    expect(page.locator("#jobs")).to_be_visible()
+    tab.errors.clear()  # (the jobs page's 401 before signing in)
+    asked: list[str] = []
+    page.on("request", lambda request: asked.append(urlsplit(request.url).path))
+    page.clock.install()
+    page.goto(f"{api.url}/ui/tenants")
+    expect(page.locator('tr[data-tenant="alpha"] .jobs')).to_have_text("0 of 2")
+    page.clock.pause_at(page.evaluate("Date.now()") / 1000 + 1)  # (s; from now on time moves when told)
+    ticks = 0
+    for ticks in range(1, 14):  # 5 s each
+        with page.expect_response(lambda response: urlsplit(response.url).path == "/admin/tenants"):
+            page.clock.run_for(5_000)
+        if ticks == 11:  # 55 s: the limits read 12 times, the report once
+            assert (asked.count("/admin/tenants"), asked.count("/usage")) == (12, 1)
+        if asked.count("/usage") == 2:
+            break
+    assert ticks in (12, 13), ticks  # (the first tick a minute or more after the first report)
+    tab.assert_clean()
 
 
 def test_a_refused_stream_is_followed_again(
