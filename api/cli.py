@@ -342,6 +342,14 @@ def _set_by(tenant: dict[str, Any], between: str = " ") -> str | None:
     return f"{tenant['updated_by'] or 'the single user'}{between}{_when(tenant['updated_at'])}"
 
 
+# `tenants set` flags (their dests) and the limits they set, in the order `tenants list` shows them.
+_LIMIT_FLAGS = {
+    "max_jobs": "max_active_jobs",
+    "max_chips": "max_active_chips",
+    "max_queued": "max_queued_jobs",
+}
+
+
 def _limit_arg(text: str) -> int | None:
     """--max-jobs/--max-chips/--max-queued: a number, or `default` (the server's limit)."""
     if text == "default":
@@ -363,28 +371,15 @@ def tenants(args: argparse.Namespace) -> int:
             for tenant in rows:
                 used = tenant["usage"]
                 by = _set_by(tenant) or "-"
-                jobs, chips, waiting = (
-                    _limit(tenant, field)
-                    for field in ("max_active_jobs", "max_active_chips", "max_queued_jobs")
-                )
-                name, active, held, queued = (
-                    tenant["name"],
-                    used["active_jobs"],
-                    used["chips"],
-                    used["queued_jobs"],
-                )
+                jobs, chips, waiting = (_limit(tenant, field) for field in _LIMIT_FLAGS.values())
                 print(
-                    f"{name:<20} {active:>6} {jobs:<12} {held:>5} {chips:<12} {queued:>6} {waiting:<12}  {by}"
+                    f"{tenant['name']:<20} {used['active_jobs']:>6} {jobs:<12} {used['chips']:>5} "
+                    f"{chips:<12} {used['queued_jobs']:>6} {waiting:<12}  {by}"
                 )
             return 0
         if args.action == "set":
-            changes = {}
-            if args.max_jobs is not False:
-                changes["max_active_jobs"] = args.max_jobs
-            if args.max_chips is not False:
-                changes["max_active_chips"] = args.max_chips
-            if args.max_queued is not False:
-                changes["max_queued_jobs"] = args.max_queued
+            given = {field: getattr(args, flag) for flag, field in _LIMIT_FLAGS.items()}
+            changes = {field: value for field, value in given.items() if value is not False}
             if not changes:
                 print(
                     "tputune: error: say --max-jobs, --max-chips or --max-queued (a number, or 'default')",

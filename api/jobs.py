@@ -100,6 +100,12 @@ class NewJob:
     def id(self) -> str:
         return str(self.row["id"])
 
+    @property
+    def needs_transaction(self) -> bool:
+        """Whether its write reads first (its Idempotency-Key) or counts after (its tenant's queued jobs):
+        not one statement in autocommit, nor the event loop's writers (api.writer)."""
+        return self.idempotency_key is not None or self.max_queued is not None
+
     def created(self) -> Outcome:
         """The outcome of this job once inserted: its row as read back (without a read)."""
         row = self.row

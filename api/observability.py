@@ -113,6 +113,15 @@ class DispatcherStats(Protocol):
     def launched(self) -> None: ...
 
 
+# Each tenant's limits (api.tenants.LIMITS), as gauges: tputune_tenant_<limit>.
+_LIMITS_HELP = {
+    "max_active_jobs": "The jobs each tenant may have active at once (tenants with unfinished jobs or own "
+    "limits)",
+    "max_active_chips": "The TPU chips (local executor: processes) each tenant's active jobs may hold",
+    "max_queued_jobs": "The jobs each tenant may have queued; POST /jobs over it gets 429",
+}
+
+
 class _JobsByStatus(Collector):
     """`tputune_jobs` by status; for each tenant with unfinished jobs, those by status and the chips its
     active jobs hold (api.tenants.usage: what its chip limit caps), to watch the shared quota and
@@ -132,16 +141,9 @@ class _JobsByStatus(Collector):
             "TPU chips (local executor: processes) each tenant's active jobs hold",
             labels=["tenant"],
         )
-        maxima = {
-            "max_active_jobs": "The jobs each tenant may have active at once (tenants with unfinished "
-            "jobs or own limits)",
-            "max_active_chips": "The TPU chips (local executor: processes) each tenant's active jobs "
-            "may hold",
-            "max_queued_jobs": "The jobs each tenant may have queued; POST /jobs over it gets 429",
-        }
         limit_families = {
             name: GaugeMetricFamily(f"tputune_tenant_{name}", text, labels=["tenant"])
-            for name, text in maxima.items()
+            for name, text in _LIMITS_HELP.items()
         }
         counts = dict.fromkeys((s.value for s in JobStatus), 0)
         with Session(self.engine) as session:

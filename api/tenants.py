@@ -3,8 +3,8 @@ them (the `tenants` table, PATCH /admin/tenants/{name}), else the server's
 (TPUTUNE_TENANT_MAX_ACTIVE_JOBS/CHIPS, TPUTUNE_TENANT_MAX_QUEUED_JOBS). Over an active limit a job waits
 `queued` with the reason (api.dispatcher); a job bigger than the chip limit is refused when it is
 submitted (api.validation.check_spec), as it could never start, and so is a job over the queued limit
-(api.jobs.write_one, in the transaction that stores it). And what each tenant's jobs
-hold now (`usage`) and held in a window of time (`spent`: chip-hours, GET /usage)."""
+(api.jobs.write_jobs, in the transaction that stores it). And what each tenant's jobs hold now (`usage`)
+and held in a window of time (`spent`: chip-hours, GET /usage)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class Limits:
 
     max_active_jobs: int | None
     max_active_chips: int | None
-    max_queued_jobs: int | None = None
+    max_queued_jobs: int | None
 
     @classmethod
     def of(cls, row: Tenant | None, settings: Settings) -> Limits:
@@ -105,8 +105,12 @@ class Spent:
     trained_tokens: int = 0  # of those jobs, all of each (whenever trained)
 
 
-def _seconds(session: Session, start: Any, end: Any) -> Any:
-    """SQL for the seconds from `start` to `end` (two timestamps)."""
+def _seconds_within(session: Session, began: Any, ended: Any, since: Any, until: Any) -> Any:
+    """SQL for the seconds from `began` to `ended` (NULL: still going) that fall between `since` and
+    `until` (negative when none do)."""
+    ended = func.coalesce(ended, until)
+    start = case((began > since, began), else_=since)
+    end = case((ended < until, ended), else_=until)
     if session.get_bind().dialect.name == "sqlite":
         return (func.julianday(end) - func.julianday(start)) * 86_400.0
     return func.extract("epoch", end - start)
@@ -147,14 +151,11 @@ def spent(
         ran.append(c.tenant == tenant)
     shape = c.spec["resources"].as_string()  # (its JSON text)
     # A job never preempted ran from its first move to running until it ended (or now): its row says so.
-    started = case((c.started_at > since_p, c.started_at), else_=since_p)
-    finished = func.coalesce(c.finished_at, until_p)
-    stopped = case((finished < until_p, finished), else_=until_p)
     plain = sa_select(
         c.tenant,
         shape,
         func.count(),
-        func.sum(_seconds(session, started, stopped)),
+        func.sum(_seconds_within(session, c.started_at, c.finished_at, since_p, until_p)),
         func.sum(c.trained_tokens),
     )
     plain = plain.where(*ran, c.preemptions == 0).group_by(c.tenant, shape)
@@ -177,18 +178,15 @@ def spent(
         .subquery()
     )
     s = spans.c
-    ended = func.coalesce(s.ended, until_p)
-    start = case((s.began > since_p, s.began), else_=since_p)
-    end = case((ended < until_p, ended), else_=until_p)
     # Each job that held its chips in the window, for how long; then by tenant and shape.
     held = (
         sa_select(
             s.tenant,
             s.shape,
             func.max(s.tokens).label("tokens"),
-            func.sum(_seconds(session, start, end)).label("seconds"),
+            func.sum(_seconds_within(session, s.began, s.ended, since_p, until_p)).label("seconds"),
         )
-        .where(s.status.in_(HOLDING), s.began < until_p, ended > since_p)
+        .where(s.status.in_(HOLDING), s.began < until_p, func.coalesce(s.ended, until_p) > since_p)
         .group_by(s.job, s.tenant, s.shape)
         .subquery()
     )

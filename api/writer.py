@@ -166,9 +166,7 @@ class JobWriter:
         """A transaction; on PostgreSQL, for jobs without Idempotency-Keys or limits on queued jobs,
         autocommit: write_jobs then runs one statement, atomic on its own, and BEGIN and COMMIT would be
         two more round trips."""
-        if self.engine.dialect.name == "postgresql" and all(
-            new.idempotency_key is None and new.max_queued is None for new in batch
-        ):
+        if self.engine.dialect.name == "postgresql" and not any(new.needs_transaction for new in batch):
             with autocommit_connection(self.engine) as connection:
                 yield connection
         else:
@@ -261,7 +259,7 @@ class SqliteWriter:
         self._flush: asyncio.Handle | None = None
 
     async def create(self, new: NewJob) -> Outcome:
-        if new.idempotency_key is not None or new.max_queued is not None:
+        if new.needs_transaction:
             return await self.keyed.create(new)
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # a new loop (a test's second client) starts afresh
@@ -425,7 +423,7 @@ class PostgresWriter:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def create(self, new: NewJob) -> Outcome:
-        if new.idempotency_key is not None or new.max_queued is not None:
+        if new.needs_transaction:
             return await self.keyed.create(new)
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # connections belong to one loop; a new one (a test's) starts afresh

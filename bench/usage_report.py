@@ -3,9 +3,9 @@
 `--jobs` jobs (default 100,000) of 20 tenants, in three shapes, each run for up to a few hours at some time
 in the last 60 days (one in 20 preempted once, and back after a wait), inserted straight into the database
 with their status events (the moves the report reads) and 10 metrics events each; then the report
-through the app in-process
-(TestClient: the route, its query and the JSON), as an admin (every tenant, the last 30 days: about half
-the jobs) and as one tenant. Median wall time of `--rounds` calls. Last line: one JSON object.
+through the app in-process (TestClient: the route, its query and the JSON), as an admin (every tenant,
+the last 30 days: about half the jobs) and as one tenant. Median wall time of `--rounds` calls. Last
+line: one JSON object.
 
     .venv/bin/python bench/usage_report.py                          # SQLite and PostgreSQL, 100,000 jobs
     .venv/bin/python bench/usage_report.py --databases sqlite --jobs 10000
