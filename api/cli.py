@@ -93,9 +93,18 @@ def _print_job(job: dict[str, Any]) -> None:
     print(f"  {progress_line(job)}")
     if job.get("error"):
         print(f"  error: {job['error']['message']} ({job['error']['code']})")
+    if line := interruptions_line(job):
+        print(f"  {line}")
     print(f"  output: {job['output_uri']}")
     if job.get("checkpoint_uri"):
         print(f"  latest checkpoint: {job['checkpoint_uri']}")
+
+
+def interruptions_line(job: dict[str, Any]) -> str | None:
+    """How often the job's run was interrupted and resumed, if ever: "2 restarts, 1 preemption (...)"."""
+    counts = [(job.get(name) or 0, name) for name in ("restarts", "preemptions")]
+    said = [f"{n} {name if n > 1 else name[:-1]}" for n, name in counts if n]
+    return f"{', '.join(said)} (each resumed from the latest checkpoint)" if said else None
 
 
 def _parse_value(text: str) -> Any:

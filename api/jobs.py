@@ -78,8 +78,8 @@ def default_output_uri(settings: Settings, job_id: str) -> str:
 JOB_COLUMNS = (
     *("id", "tenant", "name", "status", "status_message", "model", "method", "executor", "spec"),
     *("created_at", "started_at", "finished_at", "step", "total_steps", "epoch", "eta_seconds", "loss"),
-    *("eval_loss", "learning_rate", "tokens_per_second", "trained_tokens", "restarts", "error_code"),
-    *("error_message", "output_uri", "checkpoint_uri"),
+    *("eval_loss", "learning_rate", "tokens_per_second", "trained_tokens", "restarts", "preemptions"),
+    *("error_code", "error_message", "output_uri", "checkpoint_uri"),
 )
 JobRow = namedtuple("JobRow", JOB_COLUMNS)  # type: ignore[misc]
 
@@ -125,7 +125,8 @@ class NewJob:
             f'"started_at":null,"finished_at":null,"progress":{{"step":{row["step"]},"total_steps":null,'
             '"epoch":null,"fraction":null,"eta_seconds":null},"metrics":{"loss":null,"eval_loss":null,'
             f'"learning_rate":null,"tokens_per_second":null}},"trained_tokens":{row["trained_tokens"]},'
-            f'"restarts":{row["restarts"]},"error":null,"output_uri":{text(row["output_uri"])},'
+            f'"restarts":{row["restarts"]},"preemptions":{row["preemptions"]},"error":null,'
+            f'"output_uri":{text(row["output_uri"])},'
             f'"checkpoint_uri":null,"metadata":{_json(self.spec.metadata)},"spec":{self.spec_json}}}'
         )
 
@@ -188,7 +189,7 @@ def prepare_job(
 
 # A new job's columns; every row of one executemany names the same ones.
 _NEW_ROW: dict[str, Any] = {"status": JobStatus.queued.value, "status_message": QUEUED_MESSAGE}
-_NEW_ROW.update(step=0, trained_tokens=0, restarts=0)
+_NEW_ROW.update(step=0, trained_tokens=0, restarts=0, preemptions=0)
 _CREATED_EVENT = {"type": "status", "level": "info", "message": "Job created and queued."}
 _CREATED_DATA_JSON = json.dumps({"status": "queued"})
 

@@ -99,7 +99,11 @@ class JobPublic(BaseModel):
     progress: JobProgress
     metrics: JobMetrics
     trained_tokens: int
-    restarts: int
+    restarts: int = Field(description="How often its workers were restarted (after a failure or preemption).")
+    preemptions: int = Field(
+        description="How often the platform (Kueue) stopped it while running to give its chips to other "
+        "work: it waited `queued` again, and resumed from its last checkpoint once readmitted."
+    )
     error: JobError | None
     output_uri: str
     checkpoint_uri: str | None
@@ -143,6 +147,7 @@ class JobPublic(BaseModel):
             ),
             trained_tokens=job.trained_tokens,
             restarts=job.restarts,
+            preemptions=job.preemptions,
             error=(
                 JobError.model_construct(code=job.error_code, message=job.error_message or "")
                 if job.error_code

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from api.cli import main, progress_line
+from api.cli import interruptions_line, main, progress_line
 
 
 def run(api, capsys, *argv: str) -> tuple[int, str, str]:  # type: ignore[no-untyped-def]
@@ -165,6 +165,19 @@ def test_api_errors_are_sentences(live_api, dataset: Path, capsys) -> None:  # t
 )
 def test_progress_line(job: dict, expected: str) -> None:
     assert progress_line(job) == expected
+
+
+@pytest.mark.parametrize(
+    ("restarts", "preemptions", "expected"),
+    [
+        (0, 0, None),
+        (1, 0, "1 restart (each resumed from the latest checkpoint)"),
+        (0, 3, "3 preemptions (each resumed from the latest checkpoint)"),
+        (2, 1, "2 restarts, 1 preemption (each resumed from the latest checkpoint)"),
+    ],
+)
+def test_interruptions_line(restarts: int, preemptions: int, expected: str | None) -> None:
+    assert interruptions_line({"restarts": restarts, "preemptions": preemptions}) == expected
 
 
 def test_keys_commands(live_api, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -177,6 +177,16 @@ def started(api: LiveApi, dataset: Path, name: str) -> tuple[str, str]:
     return job_id, token
 
 
+def preempt(api: LiveApi, job_id: str) -> None:
+    """As the dispatcher moves a running job that Kueue preempted, and then admitted again."""
+    engine = api.server.config.app.state.engine  # type: ignore[union-attr]
+    with Session(engine) as session:
+        job = session.exec(select(Job).where(Job.id == job_id)).one()
+        transition(session, job, JobStatus.queued, "Waiting for quota: Kueue has not admitted the job yet.")
+        transition(session, job, JobStatus.starting)
+        session.commit()
+
+
 def report(api: LiveApi, job_id: str, token: str, reports: list[dict[str, Any]]) -> None:
     with api.client() as http:
         response = http.post(
@@ -213,7 +223,9 @@ def test_job_page_shows_history_updates_live_and_cancels(
     job_id, token = started(api, dataset, "stories-lora")
     losses = [[n, round(3.2 - 0.15 * n + (0.05 if n % 3 == 0 else 0.0), 4)] for n in range(1, 11)]
     report(api, job_id, token, [{"kind": "status", "message": "Compiling the model.", "phase": "compiling"}])
-    report(api, job_id, token, [step(n, loss) for n, loss in losses])
+    report(api, job_id, token, [step(n, loss) for n, loss in losses[:5]])
+    preempt(api, job_id)
+    report(api, job_id, token, [step(n, loss) for n, loss in losses[5:]])
     report(
         api,
         job_id,
@@ -256,6 +268,8 @@ def test_job_page_shows_history_updates_live_and_cancels(
     expect(page.locator("#progress-text")).to_have_text("Step 10 of 20 (50%) · about 5m left")
     assert page.locator("#progress").get_attribute("value") == "0.5"
     expect(page.locator("#f-tps")).to_have_text("1,234")
+    expect(page.locator("#f-restarts")).to_have_text("0")
+    expect(page.locator("#f-preemptions")).to_have_text("1")
     expect(page.locator("#job-error")).to_be_hidden()
     expect(page.locator("#signin")).to_be_hidden()
     sample = page.locator("#samples tbody tr")

@@ -66,6 +66,7 @@ function showJob(next) {
   $("f-tps").textContent = formatInteger(job.metrics.tokens_per_second);
   $("f-tokens").textContent = formatInteger(job.trained_tokens);
   $("f-restarts").textContent = String(job.restarts);
+  $("f-preemptions").textContent = String(job.preemptions);
   $("f-created").textContent = formatDate(job.created_at);
   $("f-started").textContent = formatDate(job.started_at);
   $("f-finished").textContent = formatDate(job.finished_at);
