@@ -414,7 +414,7 @@ class Dispatcher:
         if self.metrics is not None and event == "Workers started.":
             self.metrics.launched()
         job.launch = handle
-        job.launched_at = utcnow()
+        job.launched_at = job.admitted_at = utcnow()
         job.status_message = "Workers started; waiting for the first report."
         session.add(job)
         service.add_event(session, job, "launch", event, data={"executor": self.executor.name})
@@ -523,7 +523,8 @@ class Dispatcher:
             # A run may exist that was started but not recorded (a crash in between): stop it too.
             handle = self.executor.find(job)
             if handle is not None:
-                job.launch, job.launched_at = handle, utcnow()
+                job.launch = handle
+                job.launched_at = job.admitted_at = utcnow()
                 session.add(job)
                 session.commit()
             else:

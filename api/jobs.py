@@ -666,6 +666,10 @@ def transition(
         values.setdefault("started_at", now)
     if current == JobStatus.running and target == JobStatus.queued:  # (preempted: the usage report asks)
         values["preemptions"] = job.preemptions + 1
+    if target == JobStatus.queued:  # (held back to wait for quota: its chips are let go)
+        values["admitted_at"] = None
+    elif current == JobStatus.queued and target == JobStatus.starting and job.launched_at is not None:
+        values.setdefault("admitted_at", now)  # (the platform let a run it held start: it takes its chips)
     if target in FINAL:
         values.setdefault("finished_at", now)
         values.setdefault("eta_seconds", None)

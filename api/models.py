@@ -55,6 +55,9 @@ class Job(SQLModel, table=True):
     started_at: datetime | None = _ts()
     finished_at: datetime | None = _ts()
     launched_at: datetime | None = _ts()
+    # When it last took its chips: launched, or let start after the platform held it (Kueue); NULL while
+    # it waits queued. Until it ends, or is preempted, it holds them (api.tenants.spent, the usage report).
+    admitted_at: datetime | None = _ts()
     cancel_requested_at: datetime | None = _ts()
 
     status_message: str | None = Field(default=None, max_length=2000)

@@ -117,51 +117,50 @@ def _seconds_within(session: Session, began: Any, ended: Any, since: Any, until:
 
 
 _JOBS_AT_ONCE = 5_000  # preempted jobs whose moves one query reads (SQLite takes up to 32,766 parameters)
-HOLDING = (JobStatus.running.value, JobStatus.cancelling.value)  # the statuses in which a job holds its chips
+# The statuses in which a job holds its chips: from its launch (or admission) until it ends.
+HOLDING = (JobStatus.starting.value, JobStatus.running.value, JobStatus.cancelling.value)
 
 
 def spent(
     session: Session, settings: Settings, since: datetime, until: datetime, tenant: str | None = None
 ) -> dict[str, Spent]:
-    """Each tenant's jobs that ran between `since` and `until` (or only `tenant`'s), what they held then.
-    A job holds its chips while it runs (or is being cancelled), as its status events tell: from each
-    move to running until the next move (it ended, or it was preempted back to the queue), or now. The
-    minutes before its first report (pods scheduled, the image pulled, the model loaded) are not counted,
-    nor the time a preempted job waits to run again.
+    """Each tenant's jobs that held chips between `since` and `until` (or only `tenant`'s), what they held
+    then. A job takes its chips when it is launched (its JobSet created, its processes started), or when
+    the platform lets a run it held for quota start (Kueue's admission, which counts its quota from then);
+    it holds them while it starts (pods scheduled, the image pulled, the model loaded), runs, and is being
+    cancelled, until it ends. Not while it waits queued: before it is launched, held before its admission,
+    or preempted back to the queue (Kueue).
 
-    A job never preempted (`Job.preemptions`) ran from its first move to running until it ended: its row
-    says when. Only a preempted one's moves are read. Summed in the database, by tenant and resources (a
-    few shapes serve many jobs). With 50,000 jobs in the window, 5% of them preempted: 0.33 s on SQLite,
-    0.17 s on PostgreSQL; reading every job's moves (250,000) took 0.67 s and 0.57 s
-    (bench/usage_report.py)."""
+    A job never preempted (`Job.preemptions`) held them from when it was last admitted (`admitted_at`: a
+    wait for admission comes before) until it ended: its row says when. A preempted job's moves (its
+    status events) are read: it held its chips in each of those statuses until its next move. Summed in
+    the database, by tenant and resources (a few shapes serve many jobs). With 50,000 jobs in the window,
+    5% of them preempted: 0.33 s on SQLite, 0.17 s on PostgreSQL; reading every job's moves (250,000) took
+    0.67 s and 0.57 s (bench/usage_report.py)."""
     until = min(until, utcnow())  # (what runs now has run until now)
     if since >= until:
         return {}
     jobs = Job.__table__  # type: ignore[attr-defined]
     events = JobEvent.__table__  # type: ignore[attr-defined]
     c, e = jobs.c, events.c
-    at = c.started_at.type
+    at = c.admitted_at.type
     since_p, until_p = literal(since, at), literal(until, at)
-    ran = [
-        c.started_at.is_not(None),
-        c.started_at < until,
-        or_(c.finished_at.is_(None), c.finished_at > since),
-    ]
-    if tenant is not None:
-        ran.append(c.tenant == tenant)
+    ended_after = or_(c.finished_at.is_(None), c.finished_at > since)
+    own = [c.tenant == tenant] if tenant is not None else []
     shape = c.spec["resources"].as_string()  # (its JSON text)
-    # A job never preempted ran from its first move to running until it ended (or now): its row says so.
+    # A job never preempted held its chips from its (last) admission until it ended (or now): its row says.
     plain = sa_select(
         c.tenant,
         shape,
         func.count(),
-        func.sum(_seconds_within(session, c.started_at, c.finished_at, since_p, until_p)),
+        func.sum(_seconds_within(session, c.admitted_at, c.finished_at, since_p, until_p)),
         func.sum(c.trained_tokens),
     )
-    plain = plain.where(*ran, c.preemptions == 0).group_by(c.tenant, shape)
-    # A preempted one ran while running or cancelling: each status it was in, from when to when, are its
-    # moves (the status events that name a status: not the workers' reports of their phase, nor why a job
-    # waits), each until the next.
+    admitted = [c.admitted_at.is_not(None), c.admitted_at < until, ended_after]
+    plain = plain.where(c.preemptions == 0, *admitted, *own).group_by(c.tenant, shape)
+    # A preempted one held them while starting, running or cancelling: each status it was in, from when to
+    # when, are its moves (the status events that name a status: not the workers' reports of their phase,
+    # nor why a job waits), each until the next.
     status = e.data["status"].as_string()
     spans = (
         sa_select(
@@ -198,7 +197,8 @@ def spent(
     connection = session.connection()
     rows = list(connection.execute(plain))
     # The preempted jobs first, then their moves: joined in one query, SQLite read every job's events.
-    seqs = list(connection.execute(sa_select(c.seq).where(*ran, c.preemptions > 0)).scalars())
+    preempted_then = [c.preemptions > 0, c.created_at < until, ended_after, *own]
+    seqs = list(connection.execute(sa_select(c.seq).where(*preempted_then)).scalars())
     for first in range(0, len(seqs), _JOBS_AT_ONCE):
         rows += connection.execute(preempted, {"jobs": seqs[first : first + _JOBS_AT_ONCE]})
     for name, resources, count, seconds_held, tokens in rows:

@@ -68,6 +68,7 @@ def seed(settings: Settings, jobs: int) -> float:
                     "created_at": begun,
                     "updated_at": begun,
                     "started_at": begun,
+                    "admitted_at": begun - timedelta(minutes=1),  # (launched: its move to starting)
                     "finished_at": begun + timedelta(seconds=rng.uniform(60, 4 * 3600)),
                     "output_uri": "/tmp/out",
                     "step": 100,

@@ -588,7 +588,9 @@ def test_the_teams_page_sets_limits_and_a_team_sees_its_own(
     engine = create_engine(api.settings.resolved_database_url)  # (as if it had run for 90 minutes)
     with engine.begin() as connection:
         started = datetime.now(UTC) - timedelta(minutes=90)
-        connection.execute(update(Job).where(col(Job.id) == job_id).values(started_at=started))
+        connection.execute(
+            update(Job).where(col(Job.id) == job_id).values(started_at=started, admitted_at=started)
+        )
         seq = connection.execute(select(Job.seq).where(col(Job.id) == job_id)).scalar_one()
         moved = {"status": "running", "from": "starting"}
         connection.execute(

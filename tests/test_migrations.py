@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy import create_engine, insert, inspect, text
+from sqlmodel import Session, select
 
 from api.db import make_engine
 from api.jobs import prepare_job, write_jobs
 from api.migrate import downgrade, upgrade
-from api.models import JobEvent, utcnow
+from api.models import Job, JobEvent, as_utc, utcnow
 from api.schemas import JobCreate
 from api.settings import Settings
 
@@ -129,4 +131,64 @@ def test_job_preemptions_are_counted_from_the_moves_stored_before(
         assert connection.execute(text(events)).scalar_one() == stored
         assert connection.execute(text("SELECT count(*) FROM jobs")).scalar_one() == 2
     engine.dispose()
+    upgrade(url)
+
+
+def test_when_jobs_took_their_chips_is_read_from_the_events_stored_before(
+    make_settings: Callable[..., Settings], dataset: Path
+) -> None:
+    """0008 sets each job's admitted_at from its events: its latest launch, or admission after Kueue held
+    it; none for a job held or waiting queued since, or never launched."""
+    settings = make_settings()
+    url = settings.resolved_database_url
+    downgrade(url, "0007")
+    engine = make_engine(url)
+    spec = JobCreate.model_validate({"name": "j", "model": "tiny", "dataset_uri": str(dataset)})
+    names = ["ran", "held_then_admitted", "held_then_cancelled", "never_launched", "preempted_waiting"]
+    jobs = {name: prepare_job(spec, settings, "alpha") for name in names}
+    # Each job's events as the dispatcher wrote them: a move (its status), or "launch".
+    histories = {
+        "ran": ["starting", "launch", "running", "succeeded"],
+        "held_then_admitted": ["starting", "launch", "queued", "starting", "running", "succeeded"],
+        "held_then_cancelled": ["starting", "launch", "queued", "cancelling", "cancelled"],
+        "never_launched": ["starting", "failed"],
+        "preempted_waiting": ["starting", "launch", "running", "queued"],
+    }
+    start = utcnow() + timedelta(minutes=1)  # (after each job's first event, "queued", written now)
+    expected: dict[str, datetime | None] = {}
+    with engine.begin() as connection:
+        write_jobs(connection, list(jobs.values()))
+        for name, history in histories.items():
+            job_id = jobs[name].id
+            seq = connection.execute(text("SELECT seq FROM jobs WHERE id = :id"), {"id": job_id}).scalar_one()
+            status, launched, admitted = "queued", None, None
+            for i, what in enumerate(history):
+                at = start + timedelta(minutes=len(expected) * 10 + i)
+                if what == "launch":
+                    row = {"job_seq": seq, "created_at": at, "type": "launch", "message": "Workers started."}
+                    launched = admitted = at
+                else:
+                    data = {"status": what, "from": status}
+                    row = {"job_seq": seq, "created_at": at, "type": "status", "message": "", "data": data}
+                    if status == "queued" and what == "starting" and launched is not None:
+                        admitted = at
+                    elif what == "queued":
+                        admitted = None
+                    status = what
+                connection.execute(insert(JobEvent.__table__), row)  # type: ignore[attr-defined]
+            connection.execute(
+                text("UPDATE jobs SET status = :status, launched_at = :launched WHERE seq = :seq"),
+                {"status": status, "launched": launched, "seq": seq},
+            )
+            expected[job_id] = admitted
+    engine.dispose()
+    assert [expected[jobs[name].id] is not None for name in names] == [True, True, False, False, False]
+
+    upgrade(url)
+    engine = make_engine(url)
+    with Session(engine) as session:
+        found = {job.id: as_utc(job.admitted_at) for job in session.exec(select(Job))}
+    engine.dispose()
+    assert found == expected
+    downgrade(url, "0007")
     upgrade(url)

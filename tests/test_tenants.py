@@ -418,11 +418,23 @@ def test_usage_reports_each_teams_chip_hours_and_tokens(app_client: TestClient, 
     preempted = [("running", 10 * hour), ("phase", 9.8 * hour), ("queued", 9 * hour), ("waiting", 8.9 * hour)]
     preempted += [("starting", 8.2 * hour)]
     preempted += [("running", 8 * hour), ("succeeded", 7 * hour)]
+    # Held by Kueue after its launch (it waits queued), admitted 4 h ago: from then.
+    admitted = [("starting", 6 * hour), ("queued", 5.9 * hour), ("starting", 4 * hour)]
+    admitted += [("running", 3.9 * hour), ("succeeded", 3 * hour)]
+    held = [
+        ("starting", 6 * hour),
+        ("queued", 5.9 * hour),
+        ("cancelling", 5 * hour),
+        ("cancelled", 4.9 * hour),
+    ]
     history = [
-        (2, research, [("starting", 3.1 * hour), ("running", 3 * hour), ("succeeded", hour)], 1_000),  # 2 h
+        # From its launch (starting: the model loads) until it ended: 2.1 h
+        (2, research, [("starting", 3.1 * hour), ("running", 3 * hour), ("succeeded", hour)], 1_000),
         (1, research, [("running", 40 * day), ("succeeded", 29 * day)], 500),  # one day of it in the last 30
         (1, research, [("running", 60 * day), ("succeeded", 31 * day)], 7),  # before the window
         (1, research, [("running", 20 * hour), ("cancelling", 19.5 * hour), ("cancelled", 19 * hour)], 0),
+        (1, research, admitted, 0),  # 1 h
+        (1, research, held, 0),  # held until it was cancelled: it never took its chips
         (1, vision, [("running", 2 * hour)], 300),  # running: until now
         (1, vision, [], 0),  # never ran
         # Preempted (Kueue): back to the queue for an hour, then it ran again; the wait is not counted.
@@ -434,7 +446,7 @@ def test_usage_reports_each_teams_chip_hours_and_tokens(app_client: TestClient, 
         job_id = app_client.post("/jobs", json=body(dataset, processes), headers=key).json()["id"]
         with Session(engine) as session:
             job = session.exec(select(Job).where(Job.id == job_id)).one()
-            status = "queued"
+            status, admitted_at = "queued", None
             for target, ago in moves:
                 data: dict[str, Any] = {"status": target, "from": status}
                 if target == "phase":
@@ -442,12 +454,18 @@ def test_usage_reports_each_teams_chip_hours_and_tokens(app_client: TestClient, 
                 elif target == "waiting":
                     data = {"waiting": "team_limit"}
                 else:
-                    job.preemptions += status == "running" and target == "queued"  # (as transition does)
+                    # (as the dispatcher and transition do)
+                    job.preemptions += status == "running" and target == "queued"
+                    if status == "queued" and target in ("starting", "running"):
+                        admitted_at = now - ago
+                    elif target == "queued":
+                        admitted_at = None
                     status = target
                 session.add(JobEvent(job_seq=job.seq, created_at=now - ago, type="status", data=data))
             runs = [now - ago for target, ago in moves if target == "running"]
             job.status, job.trained_tokens = status, tokens
-            job.started_at = runs[0] if runs else None
+            job.started_at, job.admitted_at = (runs[0] if runs else None), admitted_at
+            job.created_at = now - (moves[0][1] + 0.1 * hour if moves else 0 * hour)
             job.finished_at = now - moves[-1][1] if status in FINAL else None
             session.add(job)
             session.commit()
@@ -462,23 +480,27 @@ def test_usage_reports_each_teams_chip_hours_and_tokens(app_client: TestClient, 
     assert datetime.fromisoformat(every["until"]) - datetime.fromisoformat(every["since"]) == 30 * day
     rows = {row["tenant"]: row for row in every["data"]}
     assert rows.keys() == {"research", "vision"}  # (idle ran nothing)
-    assert rows["research"]["jobs"] == 3 and rows["research"]["trained_tokens"] == 1_500
-    assert rows["research"]["chip_hours"] == pytest.approx(2 * 2 + 24 + 1, abs=0.01)  # (cancelling: held)
-    assert rows["vision"]["jobs"] == 3 and rows["vision"]["chip_hours"] == pytest.approx(2 + 2 + 1, abs=0.01)
+    assert rows["research"]["jobs"] == 4 and rows["research"]["trained_tokens"] == 1_500
+    # (cancelling: held)
+    assert rows["research"]["chip_hours"] == pytest.approx(2 * 2.1 + 24 + 1 + 1, abs=0.01)
+    assert rows["vision"]["jobs"] == 3 and rows["vision"]["chip_hours"] == pytest.approx(
+        2 + 2.2 + 1, abs=0.01
+    )
 
     # A window: what ran in it only.
     since, until = (now - 2.5 * hour).isoformat(), (now - 1.5 * hour).isoformat()
     rows = {row["tenant"]: row for row in report(bearer(ADMIN), since=since, until=until)["data"]}
     assert rows["research"]["chip_hours"] == pytest.approx(2 * 1, abs=0.001)
     assert rows["vision"]["chip_hours"] == pytest.approx(0.5, abs=0.001)
-    # The preempted job's last half hour of each run; not the hour in the queue between.
+    # The preempted job's last half hour of one run, and 0.7 h of the next (from its start); not the hour
+    # in the queue between.
     since, until = (now - 9.5 * hour).isoformat(), (now - 7.5 * hour).isoformat()
     rows = {row["tenant"]: row for row in report(bearer(ADMIN), since=since, until=until)["data"]}
-    assert rows["vision"]["chip_hours"] == pytest.approx(1.0, abs=0.001)
+    assert rows["vision"]["chip_hours"] == pytest.approx(1.2, abs=0.001)
     assert rows["vision"]["jobs"] == 1
     # A job preempted and waiting in the queue holds nothing, and has not run in a window since.
     waiting = report(bearer(ADMIN), since=(now - 3.5 * hour).isoformat(), until=(now - 3 * hour).isoformat())
-    assert waiting["data"] == []
+    assert [row["tenant"] for row in waiting["data"]] == ["research"]
 
     # A team sees its own, and its line also when it ran nothing; not another team's.
     assert [row["tenant"] for row in report(research)["data"]] == ["research"]

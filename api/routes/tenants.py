@@ -215,11 +215,11 @@ def set_tenant_limits(
 
 class TenantSpent(BaseModel):
     tenant: str
-    jobs: int = Field(description="Jobs that ran in the window, for some of it at least.")
+    jobs: int = Field(description="Jobs that held their chips in the window, for some of it at least.")
     chip_hours: float = Field(
         description="Chips (local executor: processes) times the hours each job held them, in the window: "
-        "while it was running or cancelling (from its first report until it ended, or now, less any time "
-        "back in the queue after a preemption)."
+        "from its launch (or, where Kueue held it, its admission) until it ended, or now: while it was "
+        "starting, running or cancelling, less any time back in the queue after a preemption."
     )
     trained_tokens: int = Field(description="The tokens those jobs trained on, all of each.")
 

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
+from sqlmodel import Session, col, select
+
 from api import jobset as render
+from api.db import make_engine
+from api.models import Job, as_utc
 from tests.conftest import LiveApi
 from tests.k8s.cluster import NAMESPACE, Cluster
 from tests.k8s.fake_apiserver import FakeKubernetes
@@ -40,6 +45,17 @@ def events(api: LiveApi, job_id: str, type_: str | None = None) -> list[dict[str
 
 def statuses(api: LiveApi, job_id: str) -> list[str]:
     return [e["data"]["status"] for e in events(api, job_id, "status") if "status" in (e["data"] or {})]
+
+
+def admitted_at(api: LiveApi, *job_ids: str) -> dict[str, datetime | None]:
+    """When each job last took its chips (`Job.admitted_at`, which the API does not show)."""
+    engine = make_engine(api.settings.resolved_database_url)
+    try:
+        with Session(engine) as session:
+            rows = session.exec(select(Job.id, Job.admitted_at).where(col(Job.id).in_(job_ids))).all()
+    finally:
+        engine.dispose()
+    return {job_id: as_utc(at) for job_id, at in rows}
 
 
 def running(api: LiveApi, cluster: Cluster, job_id: str) -> dict[str, Any]:
@@ -258,6 +274,13 @@ def test_kueue_holds_the_job_for_quota(
     # reads a preempted job's time from its moves).
     assert api.wait_for(held, lambda j: True)["preemptions"] == 1
     assert api.wait_for(dropped, lambda j: True)["preemptions"] == 0
+    # It took its chips when Kueue last admitted it (the usage report counts from then); the job held until
+    # it was cancelled never took them.
+    moves = [e for e in events(api, held, "status") if "status" in (e["data"] or {})]
+    at = {e["data"]["status"]: datetime.fromisoformat(e["created_at"]) for e in moves}  # (each one's last)
+    admitted = admitted_at(api, held, dropped)
+    assert admitted[dropped] is None
+    assert at["queued"] < admitted[held] <= at["starting"], (admitted, moves)
 
 
 def test_an_api_restart_adopts_the_running_jobset(
