@@ -110,7 +110,18 @@ def test_token_is_checked(client: TestClient, dataset: Path) -> None:
         response = post(client, job, tok, [metrics(1, 1.0)])
         assert response.status_code == 401
         assert response.json()["error"]["code"] == "invalid_job_token"
+        # The token is checked before the body is parsed: a caller without it learns nothing of the body.
+        headers = {"Authorization": f"Bearer {tok}"} if tok else {}
+        for content, kind in [(b'{"reports": [', "application/json"), (b"reports", "text/plain")]:
+            refused = client.post(
+                f"/jobs/{job}/progress", content=content, headers={**headers, "content-type": kind}
+            )
+            assert (refused.status_code, refused.json()["error"]["code"]) == (401, "invalid_job_token")
     assert client.get(f"/jobs/{job_id}").json()["progress"]["step"] == 0
+    for content, kind in [(b'{"reports": [', "application/json"), (b"reports", "text/plain")]:
+        headers = {"Authorization": f"Bearer {token}", "content-type": kind}
+        refused = client.post(f"/jobs/{job_id}/progress", content=content, headers=headers)
+        assert (refused.status_code, refused.json()["error"]["code"]) == (422, "invalid_request"), content
 
 
 def test_bad_reports_are_422(client: TestClient, dataset: Path) -> None:

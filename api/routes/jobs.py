@@ -7,10 +7,11 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import anyio
-from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel
+from sqlmodel import Session
 
 from api import jobs as service
 from api.deps import (
@@ -24,7 +25,15 @@ from api.deps import (
     json_response,
     own_tenant_only,
 )
-from api.errors import ApiError, DatabaseUnavailable, json_body, not_found, read_json_body
+from api.errors import (
+    ApiError,
+    DatabaseUnavailable,
+    json_body,
+    not_found,
+    parse_json_body,
+    read_body,
+    read_json_body,
+)
 from api.executors import FollowsLogs, LogStream
 from api.models import MAX_ID
 from api.schemas import (
@@ -52,7 +61,8 @@ router = APIRouter(prefix="/jobs", tags=["jobs"], responses=error_responses(401,
 
 class _JobToken(HTTPBearer):
     """The worker's token, as the `JobToken` security scheme: a request without one is refused before its
-    body is read (401, not a 422 about the body); whether it is the job's, the route asks the database."""
+    body is read (401, not a 422 about the body); whether it is the job's, the route asks the database
+    before it parses the body."""
 
     async def __call__(self, request: Request) -> str:  # type: ignore[override]
         credentials = await super().__call__(request)
@@ -72,7 +82,7 @@ _METADATA_PARAM = re.compile(r"^metadata\[(.+)\]$")
 
 
 # Bodies routes read themselves (read_json_body): their schemas go into the OpenAPI document (api.main).
-SELF_READ_BODIES: list[type[BaseModel]] = [JobCreate]
+SELF_READ_BODIES: list[type[BaseModel]] = [JobCreate, ProgressBatch]
 IDEMPOTENCY_KEY_MAX = 255
 IDEMPOTENCY_KEY_PARAMETER = {
     "name": "Idempotency-Key",
@@ -491,18 +501,23 @@ async def _relay_log(log: LogStream, stream: Stream, threads: anyio.CapacityLimi
     "/{job_id}/progress",
     response_model=ProgressAck,
     summary="Worker reports (for the worker, with its job token)",
+    openapi_extra=json_body(ProgressBatch, {"reports": {"value": _PROGRESS_EXAMPLE}}),
     responses={401: {"model": ErrorResponse, "description": "Missing or wrong job token."}},
 )
-def post_progress(
-    job_id: str,
-    batch: Annotated[ProgressBatch, Body(openapi_examples={"reports": {"value": _PROGRESS_EXAMPLE}})],
-    request: Request,
-    session: SessionDep,
-    token: Annotated[str, Depends(_job_token)],
+async def post_progress(
+    job_id: str, request: Request, token: Annotated[str, Depends(_job_token)]
 ) -> Response:
     """The worker's side of the contract is described in `worker/protocol.py`: batches of reports,
     stored once per (job, kind, step, key), so retrying a batch is safe."""
-    job = service.authenticate_worker(session, job_id, token)
-    ack = service.ingest_progress(session, job, batch)
+    body = await read_body(request)
+    engine = request.app.state.engine
+
+    def ingest() -> ProgressAck:
+        with Session(engine, expire_on_commit=False) as session:
+            # The token first: without the job's, a caller learns nothing, not even what its body lacks.
+            job = service.authenticate_worker(session, job_id, token)
+            return service.ingest_progress(session, job, parse_json_body(request, body, ProgressBatch))
+
+    ack = await anyio.to_thread.run_sync(ingest)
     request.app.state.metrics.reports.inc(ack.accepted)
     return json_response(ack)
