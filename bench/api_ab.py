@@ -1,8 +1,9 @@
-"""A/B of API builds under load: one phase of bench/api_load.py (POST /jobs, GET /jobs/{id} or healthz)
-against `tputune serve` run from each build in turn, round after round.
+"""A/B of API builds under load: one phase of bench/api_load.py (POST /jobs, GET /jobs/{id}, workers'
+progress reports or healthz) against `tputune serve` run from each build in turn, round after round.
 
     .venv/bin/python bench/api_ab.py --build new=. --build old=/tmp/old            # POST /jobs, SQLite
     .venv/bin/python bench/api_ab.py --build new=. --build old=/tmp/old --path get --database postgres
+    .venv/bin/python bench/api_ab.py --build new=. --build old=/tmp/old --path progress  # 8 jobs, 20 a batch
     .venv/bin/python bench/api_ab.py --build on=. --build off=. --env off:TPUTUNE_DISPATCHER_ENABLED=false
 
 A build is a directory holding api/, worker/ and migrations/ (`.`: this checkout; an older one:
@@ -10,8 +11,8 @@ A build is a directory holding api/, worker/ and migrations/ (`.`: this checkout
 take turns, and what counts is how they compare within a round. Per run: req/s, p50/p99/max latency,
 answers by status, CPU of the API process's busiest threads (% of a core, /proc), of the dispatcher
 process, and (SQLite) the jobs still queued when wrk stopped, i.e. how far the dispatcher is behind. Each
-run has a fresh server and database (1,000 jobs for GET, none for the others), a 2 s warm-up and the
-same wrk as api_load.py. The last line is one JSON object.
+run has a fresh server and database (1,000 jobs for GET, 8 running ones for progress, none for the
+others), a 2 s warm-up and the same wrk as api_load.py. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -31,8 +32,19 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from api.db import make_engine  # noqa: E402
 from bench.api_cpu import job_body  # noqa: E402
-from bench.api_load import LUA_POST, ApiServer, create_jobs, lua_string, proc_cpu_seconds, run_wrk  # noqa: E402
+from bench.api_load import (  # noqa: E402
+    LUA_INGEST,
+    LUA_POST,
+    ApiServer,
+    create_jobs,
+    lua_string,
+    proc_cpu_seconds,
+    run_wrk,
+    setup_ingest_jobs,
+    stop_ingest_jobs,
+)
 from tests.support.serve import api_workers, dispatchers  # noqa: E402
 
 
@@ -57,19 +69,33 @@ def one_run(
 ) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix=f"api-ab-{label}-"))
     server = ApiServer(workdir, pg_url, source, args.workers, env)
+    engine = None
+    ingest_ids: list[str] = []
     try:
         server.start()
         datasets = server.data_dir / "datasets"
         datasets.mkdir(parents=True, exist_ok=True)
         missing = datasets / "does-not-exist.txt"  # as api_load.py: the dispatcher fails each job
         script, path, expect = "", "/healthz", 200
+        warmup = script
         if args.path == "post":
-            script = f"BODY = {lua_string(json.dumps(job_body(missing, 'ab')))}\n" + LUA_POST
+            script = warmup = f"BODY = {lua_string(json.dumps(job_body(missing, 'ab')))}\n" + LUA_POST
             path, expect = "/jobs", 201
         elif args.path == "get":
             ids = create_jobs(server.url, [job_body(missing, f"g{i}") for i in range(1000)])
             path = f"/jobs/{ids[0]}"
-        run_wrk(server.url + path, script, 2, args.concurrency, workdir)  # warm-up
+        elif args.path == "progress":  # as api_load.py's ingest phase: 8 running jobs, batches of 20
+            real = datasets / "train.txt"
+            real.write_text("Once upon a time.\n<|endoftext|>\nThe end.\n")
+            engine = make_engine(server.database_url)
+            ingest = setup_ingest_jobs(server, engine, real, 8, ingest_ids)
+            jobs_lua = "{" + ",".join(f"{{{lua_string(i)},{lua_string(t)}}}" for i, t in ingest) + "}"
+            common = f"JOBS = {jobs_lua}\nBATCH = 20\n"
+            # (the warm-up's steps and the measured run's apart: no report is a duplicate)
+            warmup = common + "START_STEP = 1\n" + LUA_INGEST
+            script = common + "START_STEP = 100000000\n" + LUA_INGEST
+            path = "/jobs"
+        run_wrk(server.url + path, warmup, 2, args.concurrency, workdir)  # warm-up
         server.settle()
         serving = api_workers(server.pid) or [server.pid]
         before = {pid: thread_cpu(pid) for pid in serving}
@@ -105,6 +131,10 @@ def one_run(
             "queued_at_end": queued,
         }
     finally:
+        if engine is not None:
+            if ingest_ids and server.proc is not None:
+                stop_ingest_jobs(server, engine, ingest_ids)
+            engine.dispose()
         server.stop()
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -118,7 +148,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--env", action="append", default=[], metavar="LABEL:NAME=VALUE", help="a setting of one build"
     )
-    p.add_argument("--path", choices=["post", "get", "healthz"], default="post")
+    p.add_argument("--path", choices=["post", "get", "progress", "healthz"], default="post")
     p.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
     p.add_argument("--seconds", type=float, default=10.0, help="each run (10)")
     p.add_argument("--rounds", type=int, default=3, help="runs of each build, in turns (3)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -115,8 +116,12 @@ class KeyAuth:
         case.headers = {**(case.headers or {}), "Authorization": f"Bearer {data}"}
 
 
+# Examples per operation and database: 25 in CI; more for a longer hunt (TPUTUNE_FUZZ_EXAMPLES=500).
+EXAMPLES = int(os.environ.get("TPUTUNE_FUZZ_EXAMPLES", "25"))
+
+
 @schema.parametrize()
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 def test_api_conforms(case, database: str) -> None:  # type: ignore[no-untyped-def]
     if case.path.endswith("/events") and case.query:
         case.query.pop("follow", None)  # (a followed stream lasts until its job ends: the paged route only)
