@@ -1,7 +1,8 @@
 """Who is calling: API keys (hashed, per tenant), the bootstrap admin key, and per-key rate limits.
 
-Without TPUTUNE_ADMIN_KEY the server is single-user: every caller is the `default` tenant (and it
-refuses non-loopback addresses, see Settings.check_exposure).
+Without TPUTUNE_ADMIN_KEY (or TPUTUNE_REQUIRE_API_KEYS: keys without the bootstrap key, admin API keys
+manage them) the server is single-user: every caller is the `default` tenant (and it refuses non-loopback
+addresses, see Settings.check_exposure).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Protocol
 
 from sqlalchemy import ColumnElement, and_, bindparam, or_, update
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, col, select
+from sqlmodel import Session, col, func, select
 
 from api.errors import ApiError
 from api.mapped import MappedFile, digest
@@ -98,6 +99,21 @@ def usable_key(now: float) -> ColumnElement[bool]:
         col(ApiKey.revoked_at).is_(None),
         or_(expires_at.is_(None), expires_at > datetime.fromtimestamp(now, UTC)),
     )
+
+
+NO_ADMIN_KEY = (
+    "TPUTUNE_REQUIRE_API_KEYS is on without TPUTUNE_ADMIN_KEY, and no admin API key works: nobody can manage "
+    "keys. Set TPUTUNE_ADMIN_KEY again (a restart), and create an admin key with it: tputune keys create "
+    "--admin."
+)
+
+
+def admin_keys_working(session: Session, other_than: str | None = None) -> int:
+    """How many admin API keys work now (neither revoked nor expired), `other_than` that one left out."""
+    query = select(func.count()).select_from(ApiKey).where(col(ApiKey.admin), usable_key(time.time()))
+    if other_than is not None:
+        query = query.where(col(ApiKey.id) != other_than)
+    return int(session.exec(query).one())
 
 
 def _expiry(expires_at: datetime | None) -> float:

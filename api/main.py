@@ -11,10 +11,19 @@ from typing import Any
 
 import anyio.to_thread
 from fastapi import FastAPI
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import errors
-from api.auth import BUCKETS_FILE, Authenticator, LocalBuckets, SharedBuckets
+from api.auth import (
+    BUCKETS_FILE,
+    NO_ADMIN_KEY,
+    Authenticator,
+    LocalBuckets,
+    SharedBuckets,
+    admin_keys_working,
+)
 from api.db import make_engine
 from api.deps import CloseSessions, Wakes
 from api.direct_routes import DirectLane, serve_directly
@@ -119,6 +128,16 @@ async def record_key_uses(auth: Authenticator) -> None:
             log.warning("could not record when API keys were last used: %s", error)
 
 
+def _say_if_no_admin_key(engine: Engine) -> None:
+    """With the bootstrap key retired, say (an error in the log) when no admin key is left to manage keys."""
+    try:
+        with Session(engine) as session:
+            if admin_keys_working(session) == 0:
+                log.error(NO_ADMIN_KEY)
+    except Exception as error:  # (the database may be away: requests say so)
+        log.warning("could not count the admin keys: %s", error)
+
+
 def create_app(settings: Settings | None = None, *, engine: Any = None, worker: bool = False) -> FastAPI:
     """The app. `worker`: one of `tputune serve --workers N`'s processes (api.server): its parent runs the
     dispatcher, metrics are summed over the workers (PROMETHEUS_MULTIPROC_DIR), the rate limits and
@@ -162,6 +181,8 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
         if dispatcher is not None:
             dispatcher.start()
         auth: Authenticator = app.state.auth
+        if settings.require_api_keys and settings.admin_key is None:
+            await anyio.to_thread.run_sync(_say_if_no_admin_key, engine)
 
         async def valid_keys(key_ids: set[str]) -> set[str]:
             return await anyio.to_thread.run_sync(auth.valid_key_ids, key_ids)

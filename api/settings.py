@@ -80,6 +80,11 @@ class Settings(BaseSettings):
         default=None,
         description="Bootstrap admin key; when set, every job route needs an API key (Bearer).",
     )
+    require_api_keys: bool = Field(
+        default=False,
+        description="Every job route needs an API key also without TPUTUNE_ADMIN_KEY: the bootstrap key "
+        "retired, admin API keys manage the keys.",
+    )
     allow_unauthenticated: bool = Field(
         default=False, description="Serve without keys on a non-loopback address (not recommended)."
     )
@@ -242,15 +247,16 @@ class Settings(BaseSettings):
 
     @property
     def auth_enabled(self) -> bool:
-        return self.admin_key is not None
+        return self.admin_key is not None or self.require_api_keys
 
     def check_exposure(self) -> None:
         """Refuse to serve a network address with no authentication unless told to."""
         loopback = self.host in ("127.0.0.1", "localhost", "::1")
         if not loopback and not self.auth_enabled and not self.allow_unauthenticated:
             raise SystemExit(
-                f"tputune: refusing to serve {self.host} without authentication; set TPUTUNE_ADMIN_KEY "
-                "(or TPUTUNE_ALLOW_UNAUTHENTICATED=true to accept the risk)."
+                f"tputune: refusing to serve {self.host} without authentication; set TPUTUNE_ADMIN_KEY, "
+                "or TPUTUNE_REQUIRE_API_KEYS=true once admin API keys exist (or "
+                "TPUTUNE_ALLOW_UNAUTHENTICATED=true to accept the risk)."
             )
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -14,7 +15,7 @@ from sqlalchemy import create_engine, text, update
 from sqlalchemy.exc import OperationalError
 from sqlmodel import Session, col, select
 
-from api.auth import COOKIE_NAME, Authenticator, SharedBuckets
+from api.auth import COOKIE_NAME, NO_ADMIN_KEY, Authenticator, SharedBuckets
 from api.main import create_app
 from api.models import ApiKey, as_utc
 from api.settings import Settings
@@ -285,6 +286,7 @@ def test_refuses_open_network_address_without_auth(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"refusing to serve 0\.0\.0\.0"):
         Settings(data_dir=tmp_path, host="0.0.0.0").check_exposure()
     Settings(data_dir=tmp_path, host="0.0.0.0", admin_key="k").check_exposure()
+    Settings(data_dir=tmp_path, host="0.0.0.0", require_api_keys=True).check_exposure()
     Settings(data_dir=tmp_path, host="127.0.0.1").check_exposure()
 
 
@@ -565,3 +567,65 @@ def test_admin_keys(auth_client: TestClient, dataset: Path) -> None:
     assert auth_client.get("/admin/keys", headers=bearer(alice)).status_code == 401
     auth_client.delete(f"/admin/keys/{rotated['id']}", headers=bearer(ADMIN))
     assert auth_client.get("/admin/keys", headers=bearer(rotated["key"])).status_code == 401
+
+
+def test_the_bootstrap_key_retired_admin_keys_manage_the_keys(
+    make_settings: Callable[..., Settings], dataset: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """TPUTUNE_REQUIRE_API_KEYS without TPUTUNE_ADMIN_KEY: keys are needed as before, admin API keys manage
+    them, and the last admin key that works is not revoked (nobody could manage keys). Started with no
+    admin key, the server says so in its log."""
+    with_bootstrap = make_settings(dispatcher_enabled=False, admin_key=ADMIN, rate_limit_per_second=0)
+    with TestClient(create_app(with_bootstrap)) as client:
+        # With the bootstrap key set, the last admin key that works may go: the bootstrap key manages keys.
+        only = client.post(
+            "/admin/keys", json={"tenant": "platform", "name": "only", "admin": True}, headers=bearer(ADMIN)
+        ).json()
+        assert client.delete(f"/admin/keys/{only['id']}", headers=bearer(only["key"])).status_code == 200
+        created = client.post(
+            "/admin/keys", json={"tenant": "platform", "name": "alice", "admin": True}, headers=bearer(ADMIN)
+        )
+        alice, alice_id = created.json()["key"], created.json()["id"]
+        spare = client.post(
+            "/admin/keys", json={"tenant": "platform", "name": "spare", "admin": True}, headers=bearer(ADMIN)
+        ).json()
+    retired = with_bootstrap.model_copy(update={"admin_key": None, "require_api_keys": True})
+    with caplog.at_level(logging.ERROR, logger="api.main"), TestClient(create_app(retired)) as client:
+        assert not [r for r in caplog.records if "no admin API key works" in r.getMessage()]
+        assert client.get("/jobs").status_code == 401
+        assert client.get("/jobs", headers=bearer(ADMIN)).status_code == 401  # (no bootstrap key now)
+        assert client.get("/auth/session").json()["auth_required"] is True
+        member = client.post("/admin/keys", json={"tenant": "research", "name": "bob"}, headers=bearer(alice))
+        assert member.status_code == 201, member.text
+        bob = member.json()["key"]
+        assert client.post("/jobs", json=job(dataset), headers=bearer(bob)).json()["tenant"] == "research"
+        assert client.get("/admin/keys", headers=bearer(bob)).status_code == 403
+        # The last admin key that works stays; another one made, either may go.
+        assert client.delete(f"/admin/keys/{spare['id']}", headers=bearer(alice)).status_code == 200
+        last = client.delete(f"/admin/keys/{alice_id}", headers=bearer(alice))
+        assert last.status_code == 409 and last.json()["error"]["code"] == "last_admin_key", last.text
+        assert "Create another admin key first" in last.json()["error"]["message"]
+        assert client.get("/admin/keys", headers=bearer(alice)).status_code == 200
+        carol = client.post(
+            "/admin/keys", json={"tenant": "platform", "name": "carol", "admin": True}, headers=bearer(alice)
+        ).json()
+        assert client.delete(f"/admin/keys/{alice_id}", headers=bearer(carol["key"])).status_code == 200
+        assert client.get("/admin/keys", headers=bearer(alice)).status_code == 401
+        # A member key is no admin key: revoking it is never refused.
+        assert (
+            client.delete(f"/admin/keys/{member.json()['id']}", headers=bearer(carol["key"])).status_code
+            == 200
+        )
+        # An expired admin key does not count as one that works.
+        engine = client.app.state.engine  # type: ignore[attr-defined]
+        with Session(engine) as session:
+            session.execute(
+                update(ApiKey)
+                .where(col(ApiKey.id) == carol["id"])
+                .values(expires_at=datetime.now(UTC) - timedelta(seconds=1))
+            )
+            session.commit()
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="api.main"), TestClient(create_app(retired)):
+        pass
+    assert [r.getMessage() for r in caplog.records if r.name == "api.main"] == [NO_ADMIN_KEY]

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Body, Query, Request, Response
 from pydantic import BaseModel, Field
 from sqlmodel import Session, col, select
 
-from api.auth import COOKIE_NAME, TENANT_NAME, new_api_key
+from api.auth import COOKIE_NAME, TENANT_NAME, admin_keys_working, new_api_key
 from api.deps import AdminDep, SessionDep, SettingsDep, json_response
 from api.errors import ApiError
 from api.models import ApiKey, as_utc, utcnow
@@ -233,11 +233,37 @@ def list_keys(
 @router.delete(
     "/admin/keys/{key_id}",
     response_model=KeyPublic,
-    responses={**_admin_errors, 404: {"model": ErrorResponse, "description": "No such key."}},
+    responses={
+        **_admin_errors,
+        404: {"model": ErrorResponse, "description": "No such key."},
+        409: {
+            "model": ErrorResponse,
+            "description": "The last admin key that works, on a server without TPUTUNE_ADMIN_KEY.",
+        },
+    },
     summary="Revoke a key",
 )
-def revoke_key(key_id: str, request: Request, session: SessionDep, _admin: AdminDep) -> Response:
+def revoke_key(
+    key_id: str, request: Request, session: SessionDep, settings: SettingsDep, _admin: AdminDep
+) -> Response:
+    """Revoke it (at once, on every replica within seconds). Without TPUTUNE_ADMIN_KEY (the bootstrap key
+    retired, TPUTUNE_REQUIRE_API_KEYS), the last admin key that works is not revoked: keys could no longer
+    be managed."""
     row = _key(session, key_id)
+    expires = as_utc(row.expires_at)
+    working = row.revoked_at is None and (expires is None or expires > utcnow())
+    if (
+        row.admin
+        and working
+        and settings.admin_key is None
+        and admin_keys_working(session, other_than=row.id) == 0
+    ):
+        raise ApiError(
+            409,
+            "last_admin_key",
+            f"Key {row.id} is the last admin key that works, and this server has no TPUTUNE_ADMIN_KEY: "
+            "revoked, nobody could manage keys. Create another admin key first, then revoke this one.",
+        )
     if row.revoked_at is None:
         row.revoked_at = utcnow()
         session.add(row)
