@@ -9,7 +9,7 @@ from typing import Any, get_args
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.constants import REF_PREFIX
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from pydantic_core.core_schema import ErrorType
 from sqlalchemy.exc import OperationalError
@@ -152,6 +152,9 @@ def add_schemas(document: dict[str, Any], models: list[type[BaseModel]]) -> None
         components.setdefault(model.__name__, schema)
 
 
+CLIENT_CLOSED_REQUEST = 499
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -176,6 +179,12 @@ def install(app: FastAPI) -> None:
             return JSONResponse(status_code=422, content=error_body("invalid_request", message))
         content = error_body(code, message)
         return JSONResponse(status_code=exc.status_code, content=content, headers=exc.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_request: Request, _exc: ClientDisconnect) -> Response:
+        # The client went away before it sent all of its body (a killed CLI, a timeout): not our error, and
+        # nobody to answer. 499, as nginx logs a request its client closed.
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(OperationalError)
     @app.exception_handler(PoolTimeout)

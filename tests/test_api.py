@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -407,3 +409,52 @@ def test_more_requests_than_threads_and_connections_never_deadlock(
         codes = list(pool.map(list_page, range(200)))
     assert codes == [200] * 200
     assert time.monotonic() - started < 60
+
+
+def test_a_client_gone_before_its_body_arrived_is_a_499_not_a_server_error(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that disconnects while it sends its body (a killed CLI, a timeout): nobody to answer, and not
+    an error of ours to log with a traceback or count as a 500."""
+
+    async def call(path: str) -> list[dict[str, Any]]:
+        arriving: list[dict[str, Any]] = [
+            {"type": "http.request", "body": b'{"name": "', "more_body": True},
+            {"type": "http.disconnect"},
+        ]
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return arriving.pop(0) if arriving else {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        headers = [(b"content-type", b"application/json"), (b"authorization", b"Bearer tok")]
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": [*headers, (b"content-length", b"1000"), (b"host", b"testserver")],
+            "client": ("127.0.0.1", 50000),
+            "server": ("testserver", 80),
+        }
+        await client.app(scope, receive, send)  # type: ignore[arg-type]
+        return sent
+
+    paths = ["/jobs", "/jobs/ft-gone/progress"]  # (read by the route itself: a direct route, and not)
+    with caplog.at_level(logging.INFO):
+        for path in paths:
+            assert client.portal is not None
+            sent = client.portal.call(call, path)
+            assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499, (path, sent)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    metrics = client.get("/metrics").text
+    for route in ("/jobs", "/jobs/{job_id}/progress"):
+        assert f'tputune_http_requests_total{{method="POST",route="{route}",status="499"}} 1.0' in metrics
