@@ -167,12 +167,14 @@ def install(app: FastAPI) -> None:
         return validation_response(list(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(_request: Request, exc: StarletteHTTPException) -> Response:
         codes = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
         code = codes.get(exc.status_code, "http_error")
         message = str(exc.detail) if exc.detail else code
         if exc.status_code == 404:
             message = "No such route. The API reference is at /docs."
+        if exc.status_code == 400 and isinstance(exc.__cause__, ClientDisconnect):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)  # (as `_gone`: FastAPI read the body)
         if exc.status_code == 400:
             # The framework could not read the body (e.g. not UTF-8): the same answer as invalid JSON.
             message = "The request body is not valid UTF-8 JSON; send a JSON object."

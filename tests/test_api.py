@@ -448,7 +448,8 @@ def test_a_client_gone_before_its_body_arrived_is_a_499_not_a_server_error(
         await client.app(scope, receive, send)  # type: ignore[arg-type]
         return sent
 
-    paths = ["/jobs", "/jobs/ft-gone/progress"]  # (read by the route itself: a direct route, and not)
+    # (read by the route itself: a direct route, and not; and by FastAPI)
+    paths = ["/jobs", "/jobs/ft-gone/progress", "/admin/keys"]
     with caplog.at_level(logging.INFO):
         for path in paths:
             assert client.portal is not None
@@ -456,5 +457,5 @@ def test_a_client_gone_before_its_body_arrived_is_a_499_not_a_server_error(
             assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499, (path, sent)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     metrics = client.get("/metrics").text
-    for route in ("/jobs", "/jobs/{job_id}/progress"):
+    for route in ("/jobs", "/jobs/{job_id}/progress", "/admin/keys"):
         assert f'tputune_http_requests_total{{method="POST",route="{route}",status="499"}} 1.0' in metrics
