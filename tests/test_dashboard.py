@@ -151,9 +151,11 @@ def screenshot(page: Page, name: str) -> None:
 
 
 def sign_in(page: Page, key: str) -> Page:
-    """Sign `page` in with `key` through the dashboard's form."""
+    """Sign `page` in with `key` through the dashboard's form, and wait until it is: the page reloads, signed
+    in (a page opened before the cookie is set would ask for a key again)."""
     page.get_by_label("API key").fill(key)
     page.get_by_role("button", name="Sign in").click()
+    expect(page.locator("#signout")).to_be_visible()
     return page
 
 
