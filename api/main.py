@@ -132,7 +132,7 @@ def _say_if_no_admin_key(engine: Engine) -> None:
     """With the bootstrap key retired, say (an error in the log) when no admin key is left to manage keys."""
     try:
         with Session(engine) as session:
-            if admin_keys_working(session) == 0:
+            if not admin_keys_working(session):
                 log.error(NO_ADMIN_KEY)
     except Exception as error:  # (the database may be away: requests say so)
         log.warning("could not count the admin keys: %s", error)

@@ -35,10 +35,12 @@ if str(ROOT) not in sys.path:
 from api.db import make_engine  # noqa: E402
 from bench.api_cpu import job_body  # noqa: E402
 from bench.api_load import (  # noqa: E402
-    LUA_INGEST,
     LUA_POST,
+    MEASURED_STEP,
+    WARMUP_STEP,
     ApiServer,
     create_jobs,
+    ingest_script,
     lua_string,
     proc_cpu_seconds,
     run_wrk,
@@ -89,11 +91,8 @@ def one_run(
             real.write_text("Once upon a time.\n<|endoftext|>\nThe end.\n")
             engine = make_engine(server.database_url)
             ingest = setup_ingest_jobs(server, engine, real, 8, ingest_ids)
-            jobs_lua = "{" + ",".join(f"{{{lua_string(i)},{lua_string(t)}}}" for i, t in ingest) + "}"
-            common = f"JOBS = {jobs_lua}\nBATCH = 20\n"
-            # (the warm-up's steps and the measured run's apart: no report is a duplicate)
-            warmup = common + "START_STEP = 1\n" + LUA_INGEST
-            script = common + "START_STEP = 100000000\n" + LUA_INGEST
+            warmup = ingest_script(ingest, 20, WARMUP_STEP)
+            script = ingest_script(ingest, 20, MEASURED_STEP)
             path = "/jobs"
         run_wrk(server.url + path, warmup, 2, args.concurrency, workdir)  # warm-up
         server.settle()

@@ -172,6 +172,16 @@ end
 """
 
 
+WARMUP_STEP, MEASURED_STEP = 1, 100_000_000  # where each run's steps start: no report is a duplicate
+
+
+def ingest_script(jobs: list[tuple[str, str]], batch: int, start_step: int) -> str:
+    """wrk's script for the progress load: batches of `batch` metrics reports, round-robin over `jobs` (id,
+    token), steps from `start_step` on."""
+    jobs_lua = "{" + ",".join(f"{{{lua_string(i)},{lua_string(t)}}}" for i, t in jobs) + "}"
+    return f"JOBS = {jobs_lua}\nBATCH = {batch}\nSTART_STEP = {start_step}\n" + LUA_INGEST
+
+
 def lua_string(value: str) -> str:
     return "[==[" + value + "]==]"
 
@@ -771,18 +781,15 @@ def run_database(kind: str, args: argparse.Namespace, base: Path) -> dict[str, A
             get_phase.rate = args.paced_fraction * phases["get_job"]["rps"]
             phases["get_job_paced"] = measure(server, get_phase, args, workdir, cpu)
 
-        jobs_lua = "{" + ",".join(f"{{{lua_string(i)},{lua_string(t)}}}" for i, t in ingest) + "}"
         before = count_metrics_events(engine, ingest_ids)
-        script = f"JOBS = {jobs_lua}\nBATCH = {args.batch}\n"
         # warm-up and measured runs each start their steps far above the previous run's.
         url = server.url + "/jobs"
-        run_wrk(url, script + "START_STEP = 1\n" + LUA_INGEST, args.warmup, args.concurrency, workdir)
+        warmup = ingest_script(ingest, args.batch, WARMUP_STEP)
+        run_wrk(url, warmup, args.warmup, args.concurrency, workdir)
         after_warmup = settled_count(engine, ingest_ids)
         server.new_log_problems()
-        phase = Phase(
-            "progress ingest", "POST", "/jobs/{id}/progress", 200, script + "START_STEP = 100000000\n"
-        )
-        phase.script += LUA_INGEST
+        measured = ingest_script(ingest, args.batch, MEASURED_STEP)
+        phase = Phase("progress ingest", "POST", "/jobs/{id}/progress", 200, measured)
         ingest_result = measure(server, phase, args, workdir, cpu, url=url, warmup=False)
         stored_reports = settled_count(engine, ingest_ids) - after_warmup
         ingest_result.update(

@@ -250,14 +250,7 @@ def revoke_key(
     retired, TPUTUNE_REQUIRE_API_KEYS), the last admin key that works is not revoked: keys could no longer
     be managed."""
     row = _key(session, key_id)
-    expires = as_utc(row.expires_at)
-    working = row.revoked_at is None and (expires is None or expires > utcnow())
-    if (
-        row.admin
-        and working
-        and settings.admin_key is None
-        and admin_keys_working(session, other_than=row.id) == 0
-    ):
+    if row.admin and settings.admin_key is None and admin_keys_working(session) == {row.id}:
         raise ApiError(
             409,
             "last_admin_key",
