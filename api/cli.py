@@ -95,6 +95,8 @@ def _print_job(job: dict[str, Any]) -> None:
         print(f"  error: {job['error']['message']} ({job['error']['code']})")
     if line := interruptions_line(job):
         print(f"  {line}")
+    if line := usage_line(job):
+        print(f"  {line}")
     print(f"  output: {job['output_uri']}")
     if job.get("checkpoint_uri"):
         print(f"  latest checkpoint: {job['checkpoint_uri']}")
@@ -105,6 +107,18 @@ def interruptions_line(job: dict[str, Any]) -> str | None:
     counts = [(job.get(name) or 0, name) for name in ("restarts", "preemptions")]
     said = [f"{n} {name if n > 1 else name[:-1]}" for n, name in counts if n]
     return f"{', '.join(said)} (each resumed from the latest checkpoint)" if said else None
+
+
+def usage_line(job: dict[str, Any]) -> str | None:
+    """What the job has held, once it took its chips: "held 8 TPU chips for 1h02m: 8.267 chip-hours"."""
+    usage = job.get("usage") or {}
+    if not usage.get("held_seconds"):
+        return None
+    chips, unit = usage["chips"], usage["chip_unit"]
+    what = {"processes": "process", "TPU chips": "TPU chip"}.get(unit, unit) if chips == 1 else unit
+    return (
+        f"held {chips} {what} for {_duration(usage['held_seconds'])}: {usage['chip_hours']:,.4g} chip-hours"
+    )
 
 
 def _parse_value(text: str) -> Any:

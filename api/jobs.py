@@ -27,6 +27,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, col, select
 
+from api import tpu
 from api.db import autocommit_connection
 from api.errors import ApiError, not_found
 from api.models import IdempotencyKey, Job, JobEvent, Tenant, as_utc, utcnow
@@ -79,6 +80,7 @@ JOB_COLUMNS = (
     *("id", "tenant", "name", "status", "status_message", "model", "method", "executor", "spec"),
     *("created_at", "started_at", "finished_at", "step", "total_steps", "epoch", "eta_seconds", "loss"),
     *("eval_loss", "learning_rate", "tokens_per_second", "trained_tokens", "restarts", "preemptions"),
+    *("admitted_at", "held_seconds"),
     *("error_code", "error_message", "output_uri", "checkpoint_uri"),
 )
 JobRow = namedtuple("JobRow", JOB_COLUMNS)  # type: ignore[misc]
@@ -125,7 +127,9 @@ class NewJob:
             f'"started_at":null,"finished_at":null,"progress":{{"step":{row["step"]},"total_steps":null,'
             '"epoch":null,"fraction":null,"eta_seconds":null},"metrics":{"loss":null,"eval_loss":null,'
             f'"learning_rate":null,"tokens_per_second":null}},"trained_tokens":{row["trained_tokens"]},'
-            f'"restarts":{row["restarts"]},"preemptions":{row["preemptions"]},"error":null,'
+            f'"restarts":{row["restarts"]},"preemptions":{row["preemptions"]},'
+            f'"usage":{{"chips":{tpu.chips_of(self.spec.resources, row["executor"])},'
+            f'"chip_unit":"{tpu.chip_unit(row["executor"])}","held_seconds":0.0,"chip_hours":0.0}},"error":null,'
             f'"output_uri":{text(row["output_uri"])},'
             f'"checkpoint_uri":null,"metadata":{_json(self.spec.metadata)},"spec":{self.spec_json}}}'
         )
@@ -189,7 +193,7 @@ def prepare_job(
 
 # A new job's columns; every row of one executemany names the same ones.
 _NEW_ROW: dict[str, Any] = {"status": JobStatus.queued.value, "status_message": QUEUED_MESSAGE}
-_NEW_ROW.update(step=0, trained_tokens=0, restarts=0, preemptions=0)
+_NEW_ROW.update(step=0, trained_tokens=0, restarts=0, preemptions=0, held_seconds=0.0)
 _CREATED_EVENT = {"type": "status", "level": "info", "message": "Job created and queued."}
 _CREATED_DATA_JSON = json.dumps({"status": "queued"})
 
@@ -668,6 +672,8 @@ def transition(
         values["preemptions"] = job.preemptions + 1
     if target == JobStatus.queued:  # (held back to wait for quota: its chips are let go)
         values["admitted_at"] = None
+        if (admitted := as_utc(job.admitted_at)) is not None:
+            values["held_seconds"] = job.held_seconds + (now - admitted).total_seconds()
     elif current == JobStatus.queued and target == JobStatus.starting and job.launched_at is not None:
         values.setdefault("admitted_at", now)  # (the platform let a run it held start: it takes its chips)
     if target in FINAL:

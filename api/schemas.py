@@ -7,7 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.models import Job, JobEvent, as_utc, job_spec
+from api import tpu
+from api.models import Job, JobEvent, as_utc, job_spec, utcnow
 from worker.config import JobSpec
 
 EXAMPLE_JOB: dict[str, Any] = {
@@ -78,6 +79,16 @@ class JobMetrics(BaseModel):
     tokens_per_second: float | None
 
 
+class JobUsage(BaseModel):
+    chips: int = Field(description="What it holds while it runs: TPU chips (every slice), or processes.")
+    chip_unit: str = Field(description="What `chips` counts: `TPU chips` or (local executor) `processes`.")
+    held_seconds: float = Field(
+        description="How long it has held them: from its launch (or, where Kueue held it, its admission) "
+        "until it ended, or now; not while it waited in the queue, before or after a preemption."
+    )
+    chip_hours: float = Field(description="`chips` times the hours it held them (GET /usage sums them).")
+
+
 class JobError(BaseModel):
     code: str
     message: str
@@ -104,6 +115,7 @@ class JobPublic(BaseModel):
         description="How often the platform (Kueue) stopped it while running to give its chips to other "
         "work: it waited `queued` again, and resumed from its last checkpoint once readmitted."
     )
+    usage: JobUsage = Field(description="What it has held: chips, and for how long.")
     error: JobError | None
     output_uri: str
     checkpoint_uri: str | None
@@ -148,6 +160,7 @@ class JobPublic(BaseModel):
             trained_tokens=job.trained_tokens,
             restarts=job.restarts,
             preemptions=job.preemptions,
+            usage=job_usage(job, spec),
             error=(
                 JobError.model_construct(code=job.error_code, message=job.error_message or "")
                 if job.error_code
@@ -158,6 +171,31 @@ class JobPublic(BaseModel):
             metadata=spec.metadata,
             spec=spec,
         )
+
+
+def held_seconds(job: Job) -> float:
+    """How long `job` (a Job or a row with its columns) has held its chips: before it last let them go,
+    then since it last took them (`admitted_at`), until it ended or now."""
+    held = job.held_seconds or 0.0
+    if (admitted := as_utc(job.admitted_at)) is not None:
+        held += max(0.0, ((as_utc(job.finished_at) or utcnow()) - admitted).total_seconds())
+    return held
+
+
+def holding_now(job: Job) -> bool:
+    """Whether `job` holds its chips now: its `usage` grows with the clock."""
+    return job.admitted_at is not None and job.finished_at is None
+
+
+def job_usage(job: Job, spec: JobSpec) -> JobUsage:
+    chips = tpu.chips_of(spec.resources, job.executor)
+    held = held_seconds(job)
+    return JobUsage.model_construct(
+        chips=chips,
+        chip_unit=tpu.chip_unit(job.executor),
+        held_seconds=round(held, 3),
+        chip_hours=round(chips * held / 3600, 4),
+    )
 
 
 class JobPage(BaseModel):

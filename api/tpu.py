@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 # The node label GKE puts on each generation's TPU nodes (`cloud.google.com/gke-tpu-accelerator`).
 GKE_ACCELERATOR = {"v5e": "tpu-v5-lite-podslice", "v5p": "tpu-v5p-slice", "v6e": "tpu-v6e-slice"}
@@ -149,3 +150,20 @@ def resolve(
     preferred = [s for s in pool if s.machine_type in machine_types]
     shape = preferred[0] if preferred else min(pool, key=lambda s: s.vms)
     return TpuRequest(shape, slices)
+
+
+def chips_of(resources: Any, executor: str) -> int:
+    """What a job with these `resources` (a worker.config.Resources) holds while it runs: its TPU chips
+    (every slice) on Kubernetes, its processes (each stands in for a TPU VM) on the local executor; 0 for
+    a TPU shape not offered (a job stored before the catalogue changed: nothing here can tell)."""
+    if executor != "kubernetes":
+        return int(resources.processes or 1)
+    try:
+        return resolve(resources.accelerator, resources.topology, resources.slices).devices
+    except TpuShapeError:
+        return 0
+
+
+def chip_unit(executor: str) -> str:
+    """What `chips_of` counts on an executor: TPU chips, or (the local executor) processes."""
+    return "TPU chips" if executor == "kubernetes" else "processes"

@@ -9,7 +9,7 @@ from typing import Any
 
 from api import tpu
 from api.errors import ApiError
-from api.jobset import resources_request, tpu_request
+from api.jobset import tpu_request
 from api.models import job_spec
 from api.settings import Settings
 from worker.config import TINY_MODEL, JobSpec, Resources
@@ -181,7 +181,7 @@ def check_spec(spec: JobSpec, settings: Settings, chip_limit: int | None) -> Non
 
 def chip_unit(settings: Settings) -> str:
     """What a job's chips are on this server: TPU chips, or (the local executor) processes."""
-    return "TPU chips" if settings.executor == "kubernetes" else "processes"
+    return tpu.chip_unit(settings.executor)
 
 
 def held_chips(job: Any, settings: Settings) -> int:
@@ -200,7 +200,5 @@ def job_chips(spec: JobSpec, settings: Settings) -> int:
 
 
 def resource_chips(resources: Resources, settings: Settings) -> int:
-    """`job_chips` of a job with these resources."""
-    if settings.executor == "kubernetes":
-        return resources_request(resources, settings).devices
-    return resources.processes or 1
+    """`job_chips` of a job with these resources (0: a TPU shape not offered)."""
+    return tpu.chips_of(resources, settings.executor)

@@ -6,10 +6,11 @@ import json
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from api.cli import interruptions_line, main, progress_line
+from api.cli import interruptions_line, main, progress_line, usage_line
 
 
 def run(api, capsys, *argv: str) -> tuple[int, str, str]:  # type: ignore[no-untyped-def]
@@ -44,6 +45,7 @@ def test_submit_follow_status_events_checkpoints(live_api, dataset: Path, capsys
     assert job["spec"]["hyperparameters"] == {**job["spec"]["hyperparameters"], "seed": 7, "max_steps": 8}
     code, out, _ = run(api, capsys, "status", job_id)
     assert code == 0 and "succeeded" in out and "loss 0.3750" in out
+    assert f"  {usage_line(job)}\n" in out and "held 1 process for " in out
     code, out, _ = run(api, capsys, "status", job_id, "--json")
     assert json.loads(out)["id"] == job_id
     code, out, _ = run(api, capsys, "list")
@@ -178,6 +180,29 @@ def test_progress_line(job: dict, expected: str) -> None:
 )
 def test_interruptions_line(restarts: int, preemptions: int, expected: str | None) -> None:
     assert interruptions_line({"restarts": restarts, "preemptions": preemptions}) == expected
+
+
+@pytest.mark.parametrize(
+    ("usage", "expected"),
+    [
+        (None, None),  # (a server from before `usage`)
+        ({"chips": 8, "chip_unit": "TPU chips", "held_seconds": 0.0, "chip_hours": 0.0}, None),
+        (
+            {"chips": 8, "chip_unit": "TPU chips", "held_seconds": 3720.4, "chip_hours": 8.2676},
+            "held 8 TPU chips for 1h02m: 8.268 chip-hours",
+        ),
+        (
+            {"chips": 1, "chip_unit": "processes", "held_seconds": 2.5, "chip_hours": 0.0007},
+            "held 1 process for 2s: 0.0007 chip-hours",
+        ),
+        (
+            {"chips": 256, "chip_unit": "TPU chips", "held_seconds": 90_000, "chip_hours": 6400.0},
+            "held 256 TPU chips for 25h00m: 6,400 chip-hours",
+        ),
+    ],
+)
+def test_usage_line(usage: dict[str, Any] | None, expected: str | None) -> None:
+    assert usage_line({"usage": usage}) == expected
 
 
 def test_keys_commands(live_api, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -26,7 +26,7 @@ from sqlmodel import Session, col, select
 from api.auth import COOKIE_NAME, DEFAULT_TENANT
 from api.jobs import new_job_token, transition
 from api.migrate import upgrade
-from api.models import Job, JobEvent
+from api.models import Job, JobEvent, utcnow
 from api.routes.dashboard import STATIC_DIR
 from api.states import JobStatus
 from tests.conftest import LiveApi
@@ -174,6 +174,7 @@ def started(api: LiveApi, dataset: Path, name: str) -> tuple[str, str]:
         job = session.exec(select(Job).where(Job.id == job_id)).one()
         transition(session, job, JobStatus.starting)
         token, job.token_hash = new_job_token()
+        job.launched_at = job.admitted_at = utcnow() - timedelta(hours=2)  # (launched two hours ago)
         session.add(job)
         session.commit()
     return job_id, token
@@ -272,6 +273,8 @@ def test_job_page_shows_history_updates_live_and_cancels(
     expect(page.locator("#f-tps")).to_have_text("1,234")
     expect(page.locator("#f-restarts")).to_have_text("0")
     expect(page.locator("#f-preemptions")).to_have_text("1")
+    # Two hours from its launch to its preemption; and since its admission, a few seconds and counting.
+    expect(page.locator("#f-chip-hours")).to_have_text(re.compile(r"^2(\.00\d*)? · 1 process for 2h$"))
     expect(page.locator("#job-error")).to_be_hidden()
     expect(page.locator("#signin")).to_be_hidden()
     sample = page.locator("#samples tbody tr")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -50,6 +51,13 @@ def test_success(live_api, dataset: Path) -> None:  # type: ignore[no-untyped-de
         e["data"]["status"] for e in history if e["type"] == "status" and "status" in (e["data"] or {})
     ]
     assert statuses == ["queued", "starting", "running", "succeeded"]
+    # It held its one process from its launch until it ended.
+    launched = next(e["created_at"] for e in history if e["type"] == "launch")
+    ran = datetime.fromisoformat(job["finished_at"]) - datetime.fromisoformat(launched)
+    usage = job["usage"]
+    assert usage["chips"] == 1 and usage["chip_unit"] == "processes"
+    assert usage["held_seconds"] == pytest.approx(ran.total_seconds(), abs=0.05) and ran.total_seconds() > 0
+    assert usage["chip_hours"] == pytest.approx(usage["held_seconds"] / 3600, abs=1e-4)
     with api.client() as http:
         logs = http.get(f"/jobs/{job_id}/logs").json()
     assert any("fake worker" in line for line in logs["lines"])

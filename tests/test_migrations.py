@@ -7,6 +7,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 
+import pytest
 from sqlalchemy import create_engine, insert, inspect, text
 from sqlmodel import Session, select
 
@@ -138,7 +139,8 @@ def test_when_jobs_took_their_chips_is_read_from_the_events_stored_before(
     make_settings: Callable[..., Settings], dataset: Path
 ) -> None:
     """0008 sets each job's admitted_at from its events: its latest launch, or admission after Kueue held
-    it; none for a job held or waiting queued since, or never launched."""
+    it; none for a job held or waiting queued since, or never launched. 0009 its held_seconds: the time
+    from each launch or admission to the next move back to the queue."""
     settings = make_settings()
     url = settings.resolved_database_url
     downgrade(url, "0007")
@@ -156,12 +158,13 @@ def test_when_jobs_took_their_chips_is_read_from_the_events_stored_before(
     }
     start = utcnow() + timedelta(minutes=1)  # (after each job's first event, "queued", written now)
     expected: dict[str, datetime | None] = {}
+    held_for: dict[str, float] = {}
     with engine.begin() as connection:
         write_jobs(connection, list(jobs.values()))
         for name, history in histories.items():
             job_id = jobs[name].id
             seq = connection.execute(text("SELECT seq FROM jobs WHERE id = :id"), {"id": job_id}).scalar_one()
-            status, launched, admitted = "queued", None, None
+            status, launched, admitted, held = "queued", None, None, 0.0
             for i, what in enumerate(history):
                 at = start + timedelta(minutes=len(expected) * 10 + i)
                 if what == "launch":
@@ -173,6 +176,7 @@ def test_when_jobs_took_their_chips_is_read_from_the_events_stored_before(
                     if status == "queued" and what == "starting" and launched is not None:
                         admitted = at
                     elif what == "queued":
+                        held += (at - admitted).total_seconds() if admitted is not None else 0.0
                         admitted = None
                     status = what
                 connection.execute(insert(JobEvent.__table__), row)  # type: ignore[attr-defined]
@@ -180,15 +184,17 @@ def test_when_jobs_took_their_chips_is_read_from_the_events_stored_before(
                 text("UPDATE jobs SET status = :status, launched_at = :launched WHERE seq = :seq"),
                 {"status": status, "launched": launched, "seq": seq},
             )
-            expected[job_id] = admitted
+            expected[job_id], held_for[job_id] = admitted, held
     engine.dispose()
     assert [expected[jobs[name].id] is not None for name in names] == [True, True, False, False, False]
+    assert [held_for[jobs[name].id] for name in names] == [0, 60, 60, 0, 120]
 
     upgrade(url)
     engine = make_engine(url)
     with Session(engine) as session:
-        found = {job.id: as_utc(job.admitted_at) for job in session.exec(select(Job))}
+        stored = list(session.exec(select(Job)))
     engine.dispose()
-    assert found == expected
+    assert {job.id: as_utc(job.admitted_at) for job in stored} == expected
+    assert {job.id: job.held_seconds for job in stored} == pytest.approx(held_for, abs=0.01)
     downgrade(url, "0007")
     upgrade(url)

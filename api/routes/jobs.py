@@ -50,6 +50,7 @@ from api.schemas import (
     MetricPoint,
     MetricsPage,
     error_responses,
+    holding_now,
 )
 from api.states import JobStatus, is_final
 from api.streams import EVENTS, LOGS, REVOKED, EventWatch, Followed, Stream, Streams
@@ -233,9 +234,10 @@ async def get_job(job_id: str, request: Request) -> Response:
 def _rendered(row: Any) -> str:
     """`row` (a job's columns, `api.jobs.JOB_COLUMNS`) as GET /jobs/{id} shows it. A client polling a job
     mostly finds it as it was: the JSON of the last row read of each job is kept, and used again while
-    the row is the same (making it, JobPublic.of and then the JSON, was a fifth of the route's CPU time)."""
+    the row is the same (making it, JobPublic.of and then the JSON, was a fifth of the route's CPU time),
+    and the job does not hold its chips now (its `usage` grows with the clock)."""
     cached = _RENDERED.pop(row.id, None)
-    if cached is None or cached[0] != row:
+    if cached is None or cached[0] != row or holding_now(row):
         cached = (row, JobPublic.of(row).model_dump_json())
     if len(_RENDERED) >= _RENDERED_MAX:
         del _RENDERED[next(iter(_RENDERED))]  # the least recently read

@@ -67,10 +67,20 @@ function showJob(next) {
   $("f-tokens").textContent = formatInteger(job.trained_tokens);
   $("f-restarts").textContent = String(job.restarts);
   $("f-preemptions").textContent = String(job.preemptions);
+  $("f-chip-hours").textContent = formatUsage(job.usage);
   $("f-created").textContent = formatDate(job.created_at);
   $("f-started").textContent = formatDate(job.started_at);
   $("f-finished").textContent = formatDate(job.finished_at);
   $("f-output").textContent = job.output_uri;
+}
+
+// "2.003 · 1 process for 2h": its chip-hours, and what it held for how long; "—" before it took its chips.
+function formatUsage(usage) {
+  if (!usage || !usage.held_seconds) return "—";
+  const singular = { processes: "process", "TPU chips": "TPU chip" };
+  const unit = usage.chips === 1 ? singular[usage.chip_unit] || usage.chip_unit : usage.chip_unit;
+  const hours = formatNumber(usage.chip_hours);
+  return `${hours} · ${usage.chips} ${unit} for ${formatDuration(usage.held_seconds)}`;
 }
 
 async function loadJob() {

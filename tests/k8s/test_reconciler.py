@@ -8,6 +8,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+import pytest
 from sqlmodel import Session, col, select
 
 from api import jobset as render
@@ -244,8 +245,19 @@ def test_kueue_holds_the_job_for_quota(
     time.sleep(0.5)  # more passes of the dispatcher: a held job stays put, one warning only
     assert api.wait_for(held, lambda j: True)["status"] == "queued"
     assert [e["message"] for e in events(api, held, "warning")] == []
+    # Held, it holds no chips: its usage stands still (the time from its launch until Kueue held it).
+    first = api.wait_for(held, lambda j: True)["usage"]
+    time.sleep(0.3)
+    assert api.wait_for(held, lambda j: True)["usage"] == first
+    assert first["chips"] == 8 and first["chip_unit"] == "TPU chips" and first["held_seconds"] < 5
     cluster.admit(held)
     running(api, cluster, held)
+    # Running, it holds its chips: its usage grows with the clock (also where nothing else changed).
+    before = api.wait_for(held, lambda j: True)["usage"]
+    time.sleep(0.3)
+    after = api.wait_for(held, lambda j: True)["usage"]
+    assert after["held_seconds"] >= before["held_seconds"] + 0.3
+    assert after["chip_hours"] > before["chip_hours"]
 
     # Kueue preempts the running workload for a higher-priority one: back to queued, then resumed.
     cluster.suspend(held)
@@ -281,6 +293,27 @@ def test_kueue_holds_the_job_for_quota(
     admitted = admitted_at(api, held, dropped)
     assert admitted[dropped] is None
     assert at["queued"] < admitted[held] <= at["starting"], (admitted, moves)
+
+    # What each held: from each launch or admission until it let its chips go (held, preempted, ended).
+    def held_seconds(job_id: str) -> float:
+        spans, took, launched = [], None, False
+        for event in events(api, job_id):
+            at, data = datetime.fromisoformat(event["created_at"]), event["data"] or {}
+            status = data.get("status") if event["type"] == "status" else None
+            launched |= event["type"] == "launch"
+            admission = launched and status == "starting" and data.get("from") == "queued"
+            if event["type"] == "launch" or admission:
+                took = at
+            elif status in ("queued", *FINAL) and took is not None:
+                spans.append((at - took).total_seconds())
+                took = None
+        return sum(spans)
+
+    for job_id in (held, dropped):
+        usage = api.wait_for(job_id, lambda j: True)["usage"]
+        assert usage["held_seconds"] == pytest.approx(held_seconds(job_id), abs=0.1), job_id
+        assert usage["chip_hours"] == pytest.approx(8 * usage["held_seconds"] / 3600, abs=1e-4)
+    assert held_seconds(held) > 0.3  # (launch → held, admitted → preempted: 0.3 s running, admitted → end)
 
 
 def test_an_api_restart_adopts_the_running_jobset(
