@@ -4,8 +4,10 @@
 in the last 60 days (one in 20 preempted once, and back after a wait), inserted straight into the database
 with their status events (the moves the report reads) and 10 metrics events each; then the report
 through the app in-process (TestClient: the route, its query and the JSON), as an admin (every tenant,
-the last 30 days: about half the jobs) and as one tenant. Median wall time of `--rounds` calls. Last
-line: one JSON object.
+the last 30 days: about half the jobs) and as one tenant. Median wall time of `--rounds` calls. Then
+migrations 0008 and 0009 as on a database from before them, timed: the report must be the same after,
+and each job's `held_seconds` what the API had written. Last, each job's own chip-hours (its `usage`),
+summed by tenant, against the report over all time. Last line: one JSON object.
 
     .venv/bin/python bench/usage_report.py                          # SQLite and PostgreSQL, 100,000 jobs
     .venv/bin/python bench/usage_report.py --databases sqlite --jobs 10000
@@ -27,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fastapi.testclient import TestClient  # noqa: E402
-from sqlalchemy import insert  # noqa: E402
+from sqlalchemy import insert, select  # noqa: E402
 
 from api.jobs import new_job_id  # noqa: E402
 from api.main import create_app  # noqa: E402
@@ -53,7 +55,7 @@ def seed(settings: Settings, jobs: int) -> float:
     for first in range(0, jobs, BATCH):
         rows = []
         for i in range(first, min(jobs, first + BATCH)):
-            begun = now - timedelta(seconds=rng.uniform(0, 60 * 86_400))
+            begun = now - timedelta(seconds=rng.uniform(4 * 3600, 60 * 86_400))  # (each over by now)
             shape = SHAPES[i % len(SHAPES)]
             rows.append(
                 {
@@ -78,7 +80,11 @@ def seed(settings: Settings, jobs: int) -> float:
                 }
             )
             row = rows[-1]  # admitted when launched, or (preempted) when Kueue let it run again
+            if row["finished_at"] - row["started_at"] < timedelta(minutes=30):
+                row["preemptions"] = 0  # (too short to be preempted and back after 12 minutes)
             row["admitted_at"] = readmitted(row) if row["preemptions"] else row["launched_at"]
+            held_before = (preempted_at(row) - row["launched_at"]).total_seconds()  # (preempted: until then)
+            row["held_seconds"] = held_before if row["preemptions"] else 0.0
         with engine.begin() as connection:
             table = Job.__table__  # type: ignore[attr-defined]
             statement = insert(table).returning(table.c.seq, sort_by_parameter_order=True)
@@ -96,9 +102,14 @@ def seed(settings: Settings, jobs: int) -> float:
 LAUNCH_BEFORE_RUN = timedelta(seconds=59)  # its launch, a second after its move to starting
 
 
+def preempted_at(job: dict[str, Any]) -> Any:
+    """When a job preempted once was: in the middle of its run."""
+    return job["started_at"] + (job["finished_at"] - job["started_at"]) / 2
+
+
 def readmitted(job: dict[str, Any]) -> Any:
     """When a job preempted in the middle of its run was let run again (10 minutes after)."""
-    return job["started_at"] + (job["finished_at"] - job["started_at"]) / 2 + timedelta(minutes=10)
+    return preempted_at(job) + timedelta(minutes=10)
 
 
 def history(seq: int, job: dict[str, Any]) -> list[dict[str, Any]]:
@@ -108,7 +119,7 @@ def history(seq: int, job: dict[str, Any]) -> list[dict[str, Any]]:
     moves = [("queued", began - timedelta(minutes=2)), ("starting", began - timedelta(minutes=1))]
     moves.append(("running", began))
     if job["preemptions"]:
-        middle = began + (ended - began) / 2
+        middle = preempted_at(job)
         moves += [("queued", middle), ("starting", readmitted(job))]
         moves.append(("running", middle + timedelta(minutes=12)))
     moves.append(("succeeded", ended))
@@ -153,24 +164,72 @@ def measure(url: str, jobs: int, rounds: int, workdir: Path) -> dict[str, Any]:
         every_ms, every = timed(client, rounds)
         one_ms, _ = timed(client, rounds, tenant="team03")
     counted = sum(row["jobs"] for row in every["data"])
-    # Migration 0008 on these jobs, as on a database upgraded to this version: admitted_at read back from
-    # their events. The report must not change.
-    downgrade(settings.resolved_database_url, "0007")
-    began = time.monotonic()
-    upgrade(settings.resolved_database_url)
-    migrated_s = time.monotonic() - began
+    url = settings.resolved_database_url
+    written = held(url)
+    # Migrations 0008 and 0009 on these jobs, as on a database upgraded to this version: admitted_at and
+    # held_seconds read back from their events. The report must not change, nor any job's held_seconds.
+    downgrade(url, "0007")
+    migrated_s = {}
+    for revision in ("0008", "0009"):
+        began = time.monotonic()
+        upgrade(url, revision)
+        migrated_s[revision] = time.monotonic() - began
     with TestClient(create_app(settings)) as client:
         _, again = timed(client, 1, since=every["since"], until=every["until"])
+        # Each job's own chip-hours against the report over all time (from before the first job).
+        _, ever = timed(client, 1, since=(utcnow() - timedelta(days=90)).isoformat())
     if again["data"] != every["data"]:
-        raise SystemExit(f"the report changed after migration 0008: {every['data']} -> {again['data']}")
+        raise SystemExit(f"the report changed after migrations 0008-9: {every['data']} -> {again['data']}")
+    backfilled = held(url)
+    worst = max(abs(backfilled[seq] - seconds) for seq, seconds in written.items())
+    if backfilled.keys() != written.keys() or worst > 0.002:  # (SQLite's date functions count ms)
+        raise SystemExit(f"migration 0009's held_seconds differ from the API's by up to {worst} s")
+    reported = sum(row["chip_hours"] for row in ever["data"])
+    own = sum(job_chip_hours(url).values())
     return {
         "jobs": jobs,
         "seed_s": round(seeded, 1),
         "jobs_in_30_days": counted,
         "every_tenant_ms": round(every_ms, 1),
         "one_tenant_ms": round(one_ms, 1),
-        "migration_0008_s": round(migrated_s, 1),
+        "migration_0008_s": round(migrated_s["0008"], 1),
+        "migration_0009_s": round(migrated_s["0009"], 1),
+        "reported_chip_hours": round(reported, 1),
+        "jobs_own_chip_hours": round(own, 1),
     }
+
+
+def held(url: str) -> dict[int, float]:
+    """Each job's held_seconds, by seq."""
+    from api.db import make_engine
+
+    engine = make_engine(url, 1)
+    with engine.connect() as connection:
+        rows = connection.execute(select(Job.__table__.c.seq, Job.__table__.c.held_seconds))  # type: ignore[attr-defined]
+        found = {seq: float(seconds) for seq, seconds in rows}
+    engine.dispose()
+    return found
+
+
+def job_chip_hours(url: str) -> dict[str, float]:
+    """Each job's chip-hours as GET /jobs/{id} shows it (`usage`), summed by tenant."""
+    from api import tpu
+    from api.db import make_engine
+    from api.jobs import JOB_COLUMNS, JobRow
+    from api.schemas import held_seconds
+    from worker.config import Resources
+
+    engine = make_engine(url, 1)
+    found: dict[str, float] = {}
+    with engine.connect() as connection:
+        table = Job.__table__  # type: ignore[attr-defined]
+        for values in connection.execute(select(*(table.c[name] for name in JOB_COLUMNS))):
+            # (as JobPublic.of makes `usage`: the bench's specs are not whole, for it to validate)
+            job = JobRow._make(values)
+            chips = tpu.chips_of(Resources.model_validate(job.spec["resources"]), job.executor)
+            found[job.tenant] = found.get(job.tenant, 0.0) + round(chips * held_seconds(job) / 3600, 4)
+    engine.dispose()
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,8 +247,11 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{database:8} {row['jobs']:,} jobs ({row['jobs_in_30_days']:,} ran in the last 30 days): "
                 f"every tenant's report {row['every_tenant_ms']:.1f} ms, "
-                f"one tenant's {row['one_tenant_ms']:.1f} ms; migration 0008 (admitted_at from the events) "
-                f"{row['migration_0008_s']:.1f} s, the same report after it",
+                f"one tenant's {row['one_tenant_ms']:.1f} ms; migrations 0008 (admitted_at from the "
+                f"events) {row['migration_0008_s']:.1f} s and 0009 (held_seconds) "
+                f"{row['migration_0009_s']:.1f} s, the same report and held_seconds after them; "
+                f"chip-hours ever: report {row['reported_chip_hours']:,.1f}, jobs' own "
+                f"{row['jobs_own_chip_hours']:,.1f}",
                 flush=True,
             )
             figures.append(row)
