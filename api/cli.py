@@ -351,8 +351,11 @@ def keys(args: argparse.Namespace) -> int:
 
 
 def _limit(tenant: dict[str, Any], field: str) -> str:
-    """A limit as `8`, `8 (server)` where it is the server's, or `none`."""
+    """A limit as `8`, `8 (server)` where it is the server's, `unlimited` where the team has none whatever
+    the server's, or `none`."""
     value = tenant["limits"][field]
+    if tenant["own_limits"][field] == "unlimited":
+        return "unlimited"
     if value is None:
         return "none"
     return f"{value}" if tenant["own_limits"][field] is not None else f"{value} (server)"
@@ -373,14 +376,19 @@ _LIMIT_FLAGS = {
 }
 
 
-def _limit_arg(text: str) -> int | None:
-    """--max-jobs/--max-chips/--max-queued: a number, or `default` (the server's limit)."""
+def _limit_arg(text: str) -> int | str | None:
+    """--max-jobs/--max-chips/--max-queued: a number, `default` (the server's limit), or `unlimited` (none,
+    whatever the server's)."""
     if text == "default":
         return None
+    if text == "unlimited":
+        return text
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or 'default', not {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a number, 'default' or 'unlimited', not {text!r}"
+        ) from None
 
 
 def tenants(args: argparse.Namespace) -> int:
@@ -405,7 +413,8 @@ def tenants(args: argparse.Namespace) -> int:
             changes = {field: value for field, value in given.items() if value is not False}
             if not changes:
                 print(
-                    "tputune: error: say --max-jobs, --max-chips or --max-queued (a number, or 'default')",
+                    "tputune: error: say --max-jobs, --max-chips or --max-queued (a number, 'default' or "
+                    "'unlimited')",
                     file=sys.stderr,
                 )
                 return 2
@@ -557,19 +566,21 @@ def parser() -> argparse.ArgumentParser:
         "--max-jobs",
         type=_limit_arg,
         default=False,
-        help="jobs active at once (0: none start); 'default': the server's limit",
+        help="jobs active at once (0: none start); 'default': the server's limit; 'unlimited': none",
     )
     a.add_argument(
         "--max-chips",
         type=_limit_arg,
         default=False,
-        help="TPU chips (local executor: processes) its active jobs may hold; 'default': the server's",
+        help="TPU chips (local executor: processes) its active jobs may hold; 'default': the server's; "
+        "'unlimited': none",
     )
     a.add_argument(
         "--max-queued",
         type=_limit_arg,
         default=False,
-        help="jobs waiting to start; more are refused (0: no new jobs); 'default': the server's",
+        help="jobs waiting to start; more are refused (0: no new jobs); 'default': the server's; "
+        "'unlimited': none",
     )
     p.set_defaults(func=tenants)
 

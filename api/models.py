@@ -166,7 +166,8 @@ class ApiKey(SQLModel, table=True):
 class Tenant(SQLModel, table=True):
     """A tenant's own limits on what its jobs hold at once and how many may wait, where an admin set them
     (PATCH /admin/tenants/{name}). A tenant without a row, or a limit NULL here, has the server's
-    (TPUTUNE_TENANT_MAX_ACTIVE_JOBS/CHIPS, TPUTUNE_TENANT_MAX_QUEUED_JOBS): api.tenants.Limits."""
+    (TPUTUNE_TENANT_MAX_ACTIVE_JOBS/CHIPS, TPUTUNE_TENANT_MAX_QUEUED_JOBS); -1 (api.tenants.UNLIMITED): no
+    limit, whatever the server's. api.tenants.Limits says what holds."""
 
     __tablename__ = "tenants"
 

@@ -47,6 +47,8 @@ class Limits:
 
         def own_or_server(name: str) -> int | None:
             value = getattr(row, name) if row is not None else None
+            if value == UNLIMITED:
+                return None
             return value if value is not None else getattr(settings, f"tenant_{name}")
 
         return cls(*(own_or_server(name) for name in LIMITS))
@@ -57,6 +59,8 @@ class Limits:
 
 
 LIMITS = ("max_active_jobs", "max_active_chips", "max_queued_jobs")  # (Limits' fields, Tenant's columns)
+# A tenant's own limit that is none at all, whatever the server's: what `"unlimited"` is stored as.
+UNLIMITED = -1
 
 
 def load(session: Session) -> dict[str, Tenant]:

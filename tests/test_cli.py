@@ -333,12 +333,15 @@ def test_tenants_commands(live_api, dataset: Path, capsys) -> None:  # type: ign
         "  processes: 0 held, limit 8 (server)",
     ]
     code, out, _ = run(api, capsys, *admin, "tenants", "set", "ops", "--max-jobs", "0")
+    code, out, _ = run(api, capsys, *admin, "tenants", "set", "infra", "--max-chips", "unlimited")
+    assert code == 0 and out.splitlines()[2] == "  processes: 0 held, limit unlimited"
     code, out, _ = run(api, capsys, *admin, "tenants", "list")
     assert code == 0 and out.splitlines()[0].split() == [
         "TENANT", "ACTIVE", "MAX", "JOBS", "CHIPS", "MAX", "CHIPS", "QUEUED", "MAX", "QUEUED", "SET", "BY"
     ]  # fmt: skip
     rows = {line.split()[0]: line.split()[1:8] for line in out.splitlines()[1:]}
     assert rows == {
+        "infra": ["0", "none", "0", "unlimited", "0", "none", "the"],
         "ops": ["0", "0", "0", "8", "(server)", "0", "none"],
         "research": ["0", "2", "0", "8", "(server)", "1", "1"],
     }
@@ -346,7 +349,7 @@ def test_tenants_commands(live_api, dataset: Path, capsys) -> None:  # type: ign
     assert code == 0 and out.splitlines()[1] == "  jobs:  0 active, limit 0; 0 queued, limit none"
     with pytest.raises(SystemExit):
         main(["tenants", "set", "ops", "--max-jobs", "lots"])
-    assert "expected a number or 'default'" in capsys.readouterr().err
+    assert "expected a number, 'default' or 'unlimited'" in capsys.readouterr().err
     code, _, err = run(api, capsys, *admin, "tenants", "set", "ops")
     assert code == 2 and "--max-jobs, --max-chips or --max-queued" in err
 

@@ -632,6 +632,16 @@ def test_the_teams_page_sets_limits_and_a_team_sees_its_own(
     with api.client() as http:
         own = http.get("/admin/tenants/alpha", headers=admin).json()["own_limits"]
     assert own == {"max_active_jobs": 1, "max_active_chips": 2, "max_queued_jobs": 1}
+    # `unlimited`: none for the team, whatever the server's; the form shows it as it is set.
+    page.get_by_role("button", name="Edit alpha").click()
+    page.get_by_label("TPU chips its jobs may hold").fill("unlimited")
+    page.get_by_role("button", name="Save limits").click()
+    expect(alpha.locator(".chips")).to_have_text("0 (unlimited)")
+    page.get_by_role("button", name="Edit alpha").click()
+    expect(page.get_by_label("TPU chips its jobs may hold")).to_have_value("unlimited")
+    page.get_by_label("TPU chips its jobs may hold").fill("2")
+    page.get_by_role("button", name="Save limits").click()
+    expect(alpha.locator(".chips")).to_have_text("0 of 2")
     page.get_by_label("Tenant", exact=True).fill("beta")
     page.get_by_label("Jobs active at once").fill("-1")  # (the browser's own check: min 0)
     page.get_by_role("button", name="Save limits").click()

@@ -97,7 +97,9 @@ def test_an_admin_sets_a_tenants_limits_and_the_team_sees_them(app_client: TestC
     assert app_client.get("/tenant", headers=bearer(vision)).json()["limits"] == limits(None, 8)
 
     for wrong, param in [
-        ({"max_active_jobs": -1}, "max_active_jobs"),
+        ({"max_active_jobs": -1}, "max_active_jobs"),  # (not how `unlimited` is said, though so stored)
+        ({"max_active_chips": "Unlimited"}, "max_active_chips"),
+        ({"max_queued_jobs": "none"}, "max_queued_jobs"),
         ({"max_active_chips": 0}, "max_active_chips"),
         ({"max_active_jobs": "many"}, "max_active_jobs"),
         ({"max_queued_jobs": -1}, "max_queued_jobs"),
@@ -107,6 +109,9 @@ def test_an_admin_sets_a_tenants_limits_and_the_team_sees_them(app_client: TestC
         response = app_client.patch("/admin/tenants/research", json=wrong, headers=admin)
         assert response.status_code == 422, (wrong, response.text)
         assert response.json()["error"]["param"].endswith(param), response.json()
+        if param != "max_jobs":  # (one sentence saying what a limit may be)
+            assert response.json()["error"]["code"] == "invalid_limit", response.json()
+            assert '"unlimited" (no limit for the tenant)' in response.json()["error"]["message"]
     bad_name = app_client.patch("/admin/tenants/Bad%20Name", json=limits(1, 1), headers=admin)
     assert bad_name.status_code == 422
     assert app_client.get("/tenant", headers=bearer(research)).json()["own_limits"] == limits(1, None)
@@ -124,6 +129,47 @@ def test_an_admin_sets_a_tenants_limits_and_the_team_sees_them(app_client: TestC
     assert one == by_name["vision"]
     unknown = app_client.get("/admin/tenants/nobody", headers=admin).json()
     assert unknown["limits"] == limits(None, 8) and unknown["usage"]["queued_jobs"] == 0
+
+
+def test_a_team_exempt_from_the_servers_limits_has_none(
+    make_settings: Callable[..., Settings], dataset: Path
+) -> None:
+    """`unlimited`: none for the team, whatever the server's; null gives the server's back."""
+    settings = make_settings(
+        dispatcher_enabled=False,
+        admin_key=ADMIN,
+        rate_limit_per_second=0,
+        tenant_max_active_chips=2,
+        tenant_max_queued_jobs=1,
+        max_local_processes=8,
+    )
+    with TestClient(create_app(settings)) as app_client:
+        research, vision = bearer(make_key(app_client, "research")), bearer(make_key(app_client, "vision"))
+        admin = bearer(ADMIN)
+        every = dict.fromkeys(("max_active_jobs", "max_active_chips", "max_queued_jobs"), "unlimited")
+        exempt = app_client.patch("/admin/tenants/research", json=every, headers=admin)
+        assert exempt.status_code == 200, exempt.text
+        assert exempt.json()["own_limits"] == every and exempt.json()["limits"] == limits(None, None)
+        assert app_client.get("/tenant", headers=research).json()["own_limits"] == every
+        # The server's limits (2 chips, 1 job queued) hold for another team, not for this one (at once:
+        # in this process).
+        refused = app_client.post("/jobs", json=body(dataset, 3), headers=vision)
+        assert refused.json()["error"]["code"] == "over_tenant_chip_limit"
+        assert app_client.post("/jobs", json=body(dataset), headers=vision).status_code == 201
+        assert app_client.post("/jobs", json=body(dataset), headers=vision).status_code == 429
+        for _ in range(2):
+            assert app_client.post("/jobs", json=body(dataset, 3), headers=research).status_code == 201
+        # Stored as such: another process (a replica) reads it so.
+        with Session(app_client.app.state.engine) as session:  # type: ignore[attr-defined]
+            row = session.get(Tenant, "research")
+        assert tenants.Limits.of(row, settings) == tenants.Limits(None, None, None)
+        # One limit given, the others stay unlimited; null: the server's again.
+        one = app_client.patch("/admin/tenants/research", json={"max_active_jobs": 2}, headers=admin)
+        assert one.json()["own_limits"] == {**every, "max_active_jobs": 2}
+        back = app_client.patch("/admin/tenants/research", json={"max_active_chips": None}, headers=admin)
+        assert back.json()["limits"] == limits(2, 2) and back.json()["own_limits"]["max_active_chips"] is None
+        refused = app_client.post("/jobs", json=body(dataset, 3), headers=research)
+        assert refused.status_code == 422 and refused.json()["error"]["code"] == "over_tenant_chip_limit"
 
 
 def test_usage_counts_active_jobs_and_their_chips(app_client: TestClient, dataset: Path) -> None:
@@ -311,8 +357,9 @@ def test_the_dispatcher_holds_each_tenants_jobs_to_its_own_limits(live_api, data
         for job_id in (submit("vision", "slow"), submit("vision", "slow")):
             api.wait_for(job_id, lambda j: j["status"] == "running")
 
-        # Raised: the waiting job starts, without anything else changing.
-        assert http.patch("/admin/tenants/research", json={"max_active_jobs": 3}).status_code == 200
+        # Lifted (no limit, not even the server's): the waiting job starts, without anything else changing.
+        lifted = http.patch("/admin/tenants/research", json={"max_active_jobs": "unlimited"})
+        assert lifted.json()["limits"]["max_active_jobs"] is None
         api.headers = keys["research"]
         api.wait_for(second, lambda j: j["status"] == "running", timeout=15)
         mine = http.get("/tenant", headers=keys["research"]).json()

@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import logging
 from datetime import UTC, datetime, timedelta
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query, Request, Response
-from pydantic import BaseModel, Field
+from pydantic import (
+    BaseModel,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, select
 
@@ -18,7 +26,7 @@ from api.errors import ApiError
 from api.models import ApiKey, Tenant, as_utc, utcnow
 from api.schemas import ErrorResponse, error_responses
 from api.settings import Settings
-from api.tenants import LIMITS, Limits, Spent, Usage, load, spent, usage
+from api.tenants import LIMITS, UNLIMITED, Limits, Spent, Usage, load, spent, usage
 from api.validation import chip_unit
 
 log = logging.getLogger(__name__)
@@ -41,6 +49,18 @@ class LimitValues(BaseModel):
     )
 
 
+class OwnLimitValues(BaseModel):
+    max_active_jobs: int | Literal["unlimited"] | None
+    max_active_chips: int | Literal["unlimited"] | None
+    max_queued_jobs: int | Literal["unlimited"] | None
+
+
+def _own(row: Tenant | None, field: str) -> int | Literal["unlimited"] | None:
+    """A tenant's own limit as the API shows it."""
+    value = getattr(row, field) if row is not None else None
+    return "unlimited" if value == UNLIMITED else value
+
+
 class TenantUsage(BaseModel):
     active_jobs: int = Field(description="Jobs starting, running or cancelling: what max_active_jobs counts.")
     queued_jobs: int = Field(description="Jobs waiting to start.")
@@ -51,9 +71,9 @@ class TenantPublic(BaseModel):
     object: str = "tenant"
     name: str
     limits: LimitValues = Field(description="What holds now; null: no limit.")
-    own_limits: LimitValues = Field(
-        description="The limits an admin set for this tenant; null: the server's "
-        "(TPUTUNE_TENANT_MAX_ACTIVE_JOBS/CHIPS, TPUTUNE_TENANT_MAX_QUEUED_JOBS) hold."
+    own_limits: OwnLimitValues = Field(
+        description="The limits an admin set for this tenant (`unlimited`: none, whatever the server's); "
+        "null: the server's (TPUTUNE_TENANT_MAX_ACTIVE_JOBS/CHIPS, TPUTUNE_TENANT_MAX_QUEUED_JOBS) hold."
     )
     usage: TenantUsage
     chip_unit: str = Field(
@@ -70,7 +90,7 @@ class TenantPublic(BaseModel):
         return cls(
             name=name,
             limits=LimitValues(**{field: getattr(limits, field) for field in LIMITS}),
-            own_limits=LimitValues(**{field: getattr(row, field) if row else None for field in LIMITS}),
+            own_limits=OwnLimitValues(**{field: _own(row, field) for field in LIMITS}),
             usage=TenantUsage(
                 active_jobs=used.active_jobs if used else 0,
                 queued_jobs=used.queued_jobs if used else 0,
@@ -88,34 +108,46 @@ class TenantList(BaseModel):
 
 
 class TenantLimitsUpdate(BaseModel):
-    """The limits to change; a field left out stays as it is, and null gives the tenant the server's."""
+    """The limits to change; a field left out stays as it is, null gives the tenant the server's, and
+    `unlimited` none at all, whatever the server's (a team exempt from a server-wide limit)."""
 
-    max_active_jobs: int | None = Field(
+    max_active_jobs: Annotated[int, Field(ge=0, le=LIMIT_MAX)] | Literal["unlimited"] | None = Field(
         default=None,
-        ge=0,
-        le=LIMIT_MAX,
         description="Jobs it may have starting, running or cancelling at once (0: none start; the "
         "running ones go on); null: the server's TPUTUNE_TENANT_MAX_ACTIVE_JOBS.",
     )
-    max_active_chips: int | None = Field(
+    max_active_chips: Annotated[int, Field(ge=1, le=LIMIT_MAX)] | Literal["unlimited"] | None = Field(
         default=None,
-        ge=1,
-        le=LIMIT_MAX,
         description="TPU chips (local executor: processes) its active jobs may hold at once; null: the "
         "server's TPUTUNE_TENANT_MAX_ACTIVE_CHIPS.",
     )
-    max_queued_jobs: int | None = Field(
+    max_queued_jobs: Annotated[int, Field(ge=0, le=LIMIT_MAX)] | Literal["unlimited"] | None = Field(
         default=None,
-        ge=0,
-        le=LIMIT_MAX,
         description="Jobs it may have waiting to start; a new job over it is refused with 429 "
         "too_many_queued_jobs (0: none are accepted); null: the server's TPUTUNE_TENANT_MAX_QUEUED_JOBS.",
     )
 
+    @field_validator(*LIMITS, mode="wrap")
+    @classmethod
+    def _one_sentence(cls, value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
+        """One error saying what a limit may be, not one for each kind it could have been."""
+        try:
+            return handler(value)
+        except ValidationError:
+            least = 1 if info.field_name == "max_active_chips" else 0
+            raise PydanticCustomError(
+                "invalid_limit",
+                f'expected a whole number from {least} to {LIMIT_MAX:,}, "unlimited" (no limit for the '
+                "tenant), or null (the server's limit)",
+            ) from None
+
     model_config = {
         "extra": "forbid",
         "json_schema_extra": {
-            "examples": [{"max_active_jobs": 4, "max_active_chips": 64, "max_queued_jobs": 100}]
+            "examples": [
+                {"max_active_jobs": 4, "max_active_chips": 64, "max_queued_jobs": 100},
+                {"max_active_jobs": "unlimited", "max_active_chips": "unlimited"},
+            ]
         },
     }
 
@@ -188,7 +220,8 @@ def set_tenant_limits(
     once if they now fit; running jobs go on even if they no longer do. A lower chip limit refuses new
     jobs bigger than it (a job already queued that needs more waits, saying so). A lower limit on queued
     jobs refuses new ones until the queue is below it; the queued ones stay."""
-    changes = body.model_dump(include=body.model_fields_set)
+    asked = body.model_dump(include=body.model_fields_set)
+    changes = {field: UNLIMITED if value == "unlimited" else value for field, value in asked.items()}
     row = session.get(Tenant, name)
     for attempt in range(2):
         if row is None:
@@ -206,7 +239,7 @@ def set_tenant_limits(
                 raise
             row = session.get(Tenant, name)
     assert row is not None
-    log.info("tenant %s: limits %s set by %s", name, changes, admin.who or "the single user")
+    log.info("tenant %s: limits %s set by %s", name, asked, admin.who or "the single user")
     request.app.state.tenant_limits.put(row)
     if request.app.state.dispatcher is not None:
         request.app.state.dispatcher.wake()  # (queued jobs that now fit start)

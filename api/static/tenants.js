@@ -12,9 +12,11 @@ const tbody = document.querySelector("#tenants tbody");
 const error = document.getElementById("tenants-error");
 const form = document.getElementById("limits");
 
-// "2 of 4", "2 of 8 (server)" where the limit is the server's, or "2" without one.
+// "2 of 4", "2 of 8 (server)" where the limit is the server's, "2 (unlimited)" where the team has none
+// whatever the server's, or "2" without one.
 function ofLimit(used, tenant, field) {
   const limit = tenant.limits[field];
+  if (tenant.own_limits[field] === "unlimited") return `${used} (unlimited)`;
   if (limit === null) return String(used);
   return `${used} of ${limit}${tenant.own_limits[field] === null ? " (server)" : ""}`;
 }
@@ -58,15 +60,18 @@ async function refresh() {
 form.addEventListener("submit", async (event) => {
   event.preventDefault();
   const data = new FormData(form);
-  const number = (name) => (data.get(name) === "" ? null : Number(data.get(name)));
+  const limit = (name) => {
+    const value = data.get(name).trim();
+    return value === "" ? null : value === "unlimited" ? value : Number(value);
+  };
   try {
     await api(`/admin/tenants/${encodeURIComponent(data.get("tenant"))}`, {
       method: "PATCH",
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify({
-        max_active_jobs: number("jobs"),
-        max_active_chips: number("chips"),
-        max_queued_jobs: number("queued"),
+        max_active_jobs: limit("jobs"),
+        max_active_chips: limit("chips"),
+        max_queued_jobs: limit("queued"),
       }),
     });
     error.hidden = true;
