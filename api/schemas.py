@@ -86,7 +86,10 @@ class JobUsage(BaseModel):
         description="How long it has held them: from its launch (or, where Kueue held it, its admission) "
         "until it ended, or now; not while it waited in the queue, before or after a preemption."
     )
-    chip_hours: float = Field(description="`chips` times the hours it held them (GET /usage sums them).")
+    chip_hours: float = Field(
+        description="`chips` times the hours it held them: what GET /usage counts for it (there, within the "
+        "report's window)."
+    )
 
 
 class JobError(BaseModel):
@@ -189,13 +192,15 @@ def holding_now(job: Job) -> bool:
 
 def job_usage(job: Job, spec: JobSpec) -> JobUsage:
     chips = tpu.chips_of(spec.resources, job.executor)
-    held = held_seconds(job)
+    held, hours = usage_figures(chips, held_seconds(job))
     return JobUsage.model_construct(
-        chips=chips,
-        chip_unit=tpu.chip_unit(job.executor),
-        held_seconds=round(held, 3),
-        chip_hours=round(chips * held / 3600, 4),
+        chips=chips, chip_unit=tpu.chip_unit(job.executor), held_seconds=held, chip_hours=hours
     )
+
+
+def usage_figures(chips: int, held: float) -> tuple[float, float]:
+    """`held_seconds` and `chip_hours` as a job's `usage` shows them."""
+    return round(held, 3), round(chips * held / 3600, 4)
 
 
 class JobPage(BaseModel):

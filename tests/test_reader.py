@@ -6,18 +6,20 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from sqlalchemy.pool import NullPool
-from sqlmodel import Session, col, select
+from sqlmodel import Session, col, select, update
 
+from api import schemas
 from api.errors import ApiError, DatabaseUnavailable
 from api.jobs import EventPoll, JobListing
 from api.migrate import upgrade
-from api.models import Job
+from api.models import Job, utcnow
 from api.reader import InlineReader, PostgresReader, SqliteReader, make_reader
 from api.schemas import EventPublic, JobPage, JobPublic
 from tests.support.postgres import PostgresServer
@@ -103,6 +105,45 @@ def test_get_and_list_answer_as_the_models_write_them(client: TestClient, datase
         assert asyncio.run(inline.read_job("default", job_id)) == asyncio.run(
             reader.read_job("default", job_id)
         )
+
+
+def test_a_job_holding_its_chips_reads_as_the_model_writes_it_at_each_moment(
+    client: TestClient, dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job that holds its chips has a `usage` that grows with the clock: GET /jobs/{id} keeps the JSON
+    around it and writes its figures anew, byte for byte as JobPublic would then, for held times from
+    nothing to decades, with time held before a preemption, and one process or several."""
+    engine = client.app.state.engine  # type: ignore[attr-defined]
+    body = {"name": "p", "model": "tiny", "dataset_uri": str(dataset), "resources": {"processes": 2}}
+    ids = [started_job(client, dataset)[0], client.post("/jobs", json=body).json()["id"]]
+    now = utcnow()
+    clock = [now]
+    monkeypatch.setattr(schemas, "utcnow", lambda: clock[0])
+    for job_id in ids:
+        for before in (0.0, 12.3456789):
+            with Session(engine) as session:  # (launched an hour ago; held `before` before a preemption)
+                session.execute(
+                    update(Job)
+                    .where(col(Job.id) == job_id)
+                    .values(status="running", admitted_at=now - timedelta(hours=1), held_seconds=before)
+                )
+                session.commit()
+                job = session.exec(select(Job).where(Job.id == job_id)).one()
+            for later in (0, 0.0001, 0.0004, 1.5, 59.999, 86_400 * 40, 86_400 * 365 * 30):
+                clock[0] = now + timedelta(seconds=later)
+                fetched = client.get(f"/jobs/{job_id}")
+                assert fetched.text == JobPublic.of(job).model_dump_json(), (job_id, before, later)
+                listed = client.get("/jobs", params={"limit": 2}).text
+                assert JobPublic.of(job).model_dump_json() in listed, (job_id, before, later)
+            usage = fetched.json()["usage"]
+            chips = 2 if job_id == ids[1] else 1
+            held = before + 3600 + 86_400 * 365 * 30
+            assert usage == {
+                "chips": chips,
+                "chip_unit": "processes",
+                "held_seconds": round(held, 3),
+                "chip_hours": round(chips * held / 3600, 4),
+            }
 
 
 def test_followed_events_read_as_the_pages_show_them(client: TestClient, dataset: Path) -> None:
