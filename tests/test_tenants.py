@@ -29,14 +29,17 @@ from tests.test_auth import ADMIN, bearer, make_key
 FINAL = {"succeeded", "failed", "cancelled"}
 
 
-def server(make_settings: Callable[..., Settings]) -> TestClient:
-    """An API process with keys on, no dispatcher, and a server-wide chip limit of 8."""
+def server(make_settings: Callable[..., Settings], **changed: Any) -> TestClient:
+    """An API process with keys on, no dispatcher, and a server-wide chip limit of 8 (or as `changed`)."""
     settings = make_settings(
-        dispatcher_enabled=False,
-        admin_key=ADMIN,
-        rate_limit_per_second=0,
-        tenant_max_active_chips=8,
-        max_local_processes=8,
+        **{
+            "dispatcher_enabled": False,
+            "admin_key": ADMIN,
+            "rate_limit_per_second": 0,
+            "tenant_max_active_chips": 8,
+            "max_local_processes": 8,
+            **changed,
+        }
     )
     return TestClient(create_app(settings))
 
@@ -135,15 +138,8 @@ def test_a_team_exempt_from_the_servers_limits_has_none(
     make_settings: Callable[..., Settings], dataset: Path
 ) -> None:
     """`unlimited`: none for the team, whatever the server's; null gives the server's back."""
-    settings = make_settings(
-        dispatcher_enabled=False,
-        admin_key=ADMIN,
-        rate_limit_per_second=0,
-        tenant_max_active_chips=2,
-        tenant_max_queued_jobs=1,
-        max_local_processes=8,
-    )
-    with TestClient(create_app(settings)) as app_client:
+    with server(make_settings, tenant_max_active_chips=2, tenant_max_queued_jobs=1) as app_client:
+        settings = app_client.app.state.settings  # type: ignore[attr-defined]
         research, vision = bearer(make_key(app_client, "research")), bearer(make_key(app_client, "vision"))
         admin = bearer(ADMIN)
         every = dict.fromkeys(("max_active_jobs", "max_active_chips", "max_queued_jobs"), "unlimited")
