@@ -21,6 +21,7 @@ from api.jobs import EventPoll, JobListing
 from api.migrate import upgrade
 from api.models import Job, utcnow
 from api.reader import InlineReader, PostgresReader, SqliteReader, make_reader
+from api.routes import jobs as job_routes
 from api.schemas import EventPublic, JobPage, JobPublic
 from tests.support.postgres import PostgresServer
 from tests.test_progress import metrics, post, started_job
@@ -119,6 +120,7 @@ def test_a_job_holding_its_chips_reads_as_the_model_writes_it_at_each_moment(
     now = utcnow()
     clock = [now]
     monkeypatch.setattr(schemas, "utcnow", lambda: clock[0])
+    monkeypatch.setattr(job_routes, "USAGE_MAX_AGE", 0.0)  # (written anew on every read)
     for job_id in ids:
         for before in (0.0, 12.3456789):
             with Session(engine) as session:  # (launched an hour ago; held `before` before a preemption)
@@ -135,6 +137,13 @@ def test_a_job_holding_its_chips_reads_as_the_model_writes_it_at_each_moment(
                 assert fetched.text == JobPublic.of(job).model_dump_json(), (job_id, before, later)
                 listed = client.get("/jobs", params={"limit": 2}).text
                 assert JobPublic.of(job).model_dump_json() in listed, (job_id, before, later)
+            # Read again within USAGE_MAX_AGE, it is shown as it was (at most that old); then anew.
+            monkeypatch.setattr(job_routes, "USAGE_MAX_AGE", 60.0)
+            clock[0] += timedelta(hours=1)
+            assert client.get(f"/jobs/{job_id}").text == fetched.text
+            monkeypatch.setattr(job_routes, "USAGE_MAX_AGE", 0.0)
+            assert client.get(f"/jobs/{job_id}").text == JobPublic.of(job).model_dump_json() != fetched.text
+            clock[0] -= timedelta(hours=1)
             usage = fetched.json()["usage"]
             chips = 2 if job_id == ids[1] else 1
             held = before + 3600 + 86_400 * 365 * 30
