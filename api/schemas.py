@@ -84,7 +84,8 @@ class JobUsage(BaseModel):
     chip_unit: str = Field(description="What `chips` counts: `TPU chips` or (local executor) `processes`.")
     held_seconds: float = Field(
         description="How long it has held them: from its launch (or, where Kueue held it, its admission) "
-        "until it ended, or now; not while it waited in the queue, before or after a preemption."
+        "until it ended, or now (as of at most 0.1 s before); not while it waited in the queue, before or "
+        "after a preemption."
     )
     chip_hours: float = Field(
         description="`chips` times the hours it held them: what GET /usage counts for it (there, within the "
