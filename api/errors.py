@@ -173,9 +173,9 @@ def install(app: FastAPI) -> None:
         message = str(exc.detail) if exc.detail else code
         if exc.status_code == 404:
             message = "No such route. The API reference is at /docs."
-        if exc.status_code == 400 and isinstance(exc.__cause__, ClientDisconnect):
-            return Response(status_code=CLIENT_CLOSED_REQUEST)  # (as `_gone`: FastAPI read the body)
         if exc.status_code == 400:
+            if isinstance(exc.__cause__, ClientDisconnect):
+                return Response(status_code=CLIENT_CLOSED_REQUEST)  # (as `_gone`: FastAPI read the body)
             # The framework could not read the body (e.g. not UTF-8): the same answer as invalid JSON.
             message = "The request body is not valid UTF-8 JSON; send a JSON object."
             return JSONResponse(status_code=422, content=error_body("invalid_request", message))

@@ -129,7 +129,8 @@ class NewJob:
             f'"learning_rate":null,"tokens_per_second":null}},"trained_tokens":{row["trained_tokens"]},'
             f'"restarts":{row["restarts"]},"preemptions":{row["preemptions"]},'
             f'"usage":{{"chips":{tpu.chips_of(self.spec.resources, row["executor"])},'
-            f'"chip_unit":"{tpu.chip_unit(row["executor"])}","held_seconds":0.0,"chip_hours":0.0}},"error":null,'
+            f'"chip_unit":{text(tpu.chip_unit(row["executor"]))},"held_seconds":0.0,"chip_hours":0.0}},'
+            '"error":null,'
             f'"output_uri":{text(row["output_uri"])},'
             f'"checkpoint_uri":null,"metadata":{_json(self.spec.metadata)},"spec":{self.spec_json}}}'
         )

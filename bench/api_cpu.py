@@ -189,7 +189,7 @@ async def run(args: argparse.Namespace, data_dir: Path) -> dict[str, Any]:
         gc.freeze()  # as `tputune serve` does (api.server)
         results["healthz"] = await measure(client, "GET", "/healthz", b"", 200, args)
         results["get_job"] = await measure(client, "GET", f"/jobs/{job_id}", b"", 200, args)
-        # Its `usage` grows with the clock: made again on every read, not kept (a queued job's is).
+        # Its `usage` grows with the clock: its figures are written anew every USAGE_MAX_AGE (0.1 s).
         results["get_running_job"] = await measure(client, "GET", f"/jobs/{running}", b"", 200, args)
         results["list_jobs"] = await measure(client, "GET", "/jobs?limit=50", b"", 200, list_args)
         after = f"/jobs?limit=50&after={deep}"

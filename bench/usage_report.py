@@ -216,7 +216,7 @@ def job_chip_hours(url: str) -> dict[str, float]:
     from api import tpu
     from api.db import make_engine
     from api.jobs import JOB_COLUMNS, JobRow
-    from api.schemas import held_seconds
+    from api.schemas import held_seconds, usage_figures
     from worker.config import Resources
 
     engine = make_engine(url, 1)
@@ -227,7 +227,7 @@ def job_chip_hours(url: str) -> dict[str, float]:
             # (as JobPublic.of makes `usage`: the bench's specs are not whole, for it to validate)
             job = JobRow._make(values)
             chips = tpu.chips_of(Resources.model_validate(job.spec["resources"]), job.executor)
-            found[job.tenant] = found.get(job.tenant, 0.0) + round(chips * held_seconds(job) / 3600, 4)
+            found[job.tenant] = found.get(job.tenant, 0.0) + usage_figures(chips, held_seconds(job))[1]
     engine.dispose()
     return found
 

@@ -142,7 +142,7 @@ def test_a_team_exempt_from_the_servers_limits_has_none(
         settings = app_client.app.state.settings  # type: ignore[attr-defined]
         research, vision = bearer(make_key(app_client, "research")), bearer(make_key(app_client, "vision"))
         admin = bearer(ADMIN)
-        every = dict.fromkeys(("max_active_jobs", "max_active_chips", "max_queued_jobs"), "unlimited")
+        every = dict.fromkeys(tenants.LIMITS, "unlimited")
         exempt = app_client.patch("/admin/tenants/research", json=every, headers=admin)
         assert exempt.status_code == 200, exempt.text
         assert exempt.json()["own_limits"] == every and exempt.json()["limits"] == limits(None, None)
