@@ -80,8 +80,9 @@ def progress_line(job: dict[str, Any], width: int = 24) -> str:
 
 
 def watch_line(job: dict[str, Any]) -> str:
-    """What `watch` shows: until the job runs, its status and why it waits; then `progress_line`."""
-    if job["status"] in ("queued", "starting") and job.get("status_message"):
+    """What `watch` shows: until the job runs, and while it is paused, its status and why; then
+    `progress_line`."""
+    if job["status"] in ("queued", "starting", "pausing", "paused") and job.get("status_message"):
         return f"{job['status']}: {job['status_message']}"
     return progress_line(job)
 
@@ -103,8 +104,8 @@ def _print_job(job: dict[str, Any]) -> None:
 
 
 def interruptions_line(job: dict[str, Any]) -> str | None:
-    """How often the job's run was interrupted and resumed, if ever: "2 restarts, 1 preemption (...)"."""
-    counts = [(job.get(name) or 0, name) for name in ("restarts", "preemptions")]
+    """How often the job's run was interrupted and resumed, if ever: "2 restarts, 1 pause (...)"."""
+    counts = [(job.get(name) or 0, name) for name in ("restarts", "preemptions", "pauses")]
     said = [f"{n} {name if n > 1 else name[:-1]}" for n, name in counts if n]
     return f"{', '.join(said)} (each resumed from the latest checkpoint)" if said else None
 
@@ -276,9 +277,10 @@ def _overlap(before: list[str], after: list[str]) -> int:
     return 0
 
 
-def cancel(args: argparse.Namespace) -> int:
+def act(args: argparse.Namespace) -> int:
+    """cancel, pause or resume (`args.action`) a job; print its status after."""
     with _client(args) as client:
-        job = client.cancel_job(args.job_id)
+        job = getattr(client, f"{args.action}_job")(args.job_id)
     print(f"{job['id']} {job['status']}")
     return 0
 
@@ -521,7 +523,17 @@ def parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("cancel", help="cancel a job")
     p.add_argument("job_id")
-    p.set_defaults(func=cancel)
+    p.set_defaults(func=act, action="cancel")
+
+    p = commands.add_parser(
+        "pause", help="pause a job: its workers save a checkpoint and stop, and it lets its chips go"
+    )
+    p.add_argument("job_id")
+    p.set_defaults(func=act, action="pause")
+
+    p = commands.add_parser("resume", help="queue a paused job again; it continues from its checkpoint")
+    p.add_argument("job_id")
+    p.set_defaults(func=act, action="resume")
 
     p = commands.add_parser("checkpoints", help="a job's checkpoints")
     p.add_argument("job_id")

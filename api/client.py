@@ -126,6 +126,18 @@ class Client:
     def cancel_job(self, job_id: str) -> dict[str, Any]:
         return self._request("POST", f"/jobs/{job_id}/cancel")
 
+    def pause_job(self, job_id: str) -> dict[str, Any]:
+        """Pause the job: a queued one is `paused` at once; a starting or running one is `pausing` while its
+        workers save a checkpoint and stop. ApiError 409 `job_not_pausable` once it finished or is being
+        cancelled; a pausing or paused job is answered unchanged."""
+        return self._request("POST", f"/jobs/{job_id}/pause")
+
+    def resume_job(self, job_id: str) -> dict[str, Any]:
+        """Queue a paused job again; it continues from its last checkpoint. ApiError 409 `job_not_paused`
+        (it is pausing, or finished), 429 `too_many_queued_jobs`; a queued or running job is answered
+        unchanged."""
+        return self._request("POST", f"/jobs/{job_id}/resume")
+
     def events(
         self, job_id: str, after: int | None = None, limit: int = 100, types: list[str] | None = None
     ) -> dict[str, Any]:

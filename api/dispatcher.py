@@ -4,6 +4,7 @@ world and makes one idempotent move per job, so a missed event or an API restart
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +36,11 @@ PAGE = 200
 FAIL_GROUP = 32
 MAX_YIELD_SECONDS = 0.1
 PASS_SPACING_SECONDS = 0.05
+# Exit statuses of a run the dispatcher stopped: with a checkpoint (EXIT_PREEMPTED), or by its signal
+# (128 + SIGTERM or SIGKILL: a paused job then resumes from the checkpoint before).
+STOPPED = frozenset({EXIT_PREEMPTED, 128 + signal.SIGTERM, 128 + signal.SIGKILL})
+# The launch handle's record of the job's restarts before its run (a resumed job's: see _launch).
+RESTARTS_BEFORE = "restarts_before"
 # How the status message of a job held back by its team's limits begins (_over_tenant_cap).
 TEAM_WAIT = "Waiting: "
 
@@ -374,6 +380,8 @@ class Dispatcher:
     def _follow(self, session: Session, job: Job) -> None:
         if job.status == JobStatus.cancelling:
             self._cancel(session, job)
+        elif job.status == JobStatus.pausing:
+            self._pause(session, job)
         elif job.launched_at is None:
             self._launch(session, job)
         else:
@@ -413,7 +421,8 @@ class Dispatcher:
             event = "Found the job's workers already running; adopted them."
         if self.metrics is not None and event == "Workers started.":
             self.metrics.launched()
-        job.launch = handle
+        # A resumed job's new run (a new JobSet) counts its restarts from 0: the job's go on from its own.
+        job.launch = {**handle, RESTARTS_BEFORE: job.restarts} if job.restarts else handle
         job.launched_at = job.admitted_at = utcnow()
         job.status_message = "Workers started; waiting for the first report."
         session.add(job)
@@ -428,8 +437,9 @@ class Dispatcher:
             session.commit()
 
     def _reconcile(self, session: Session, job: Job, seen: Observation) -> None:
-        if seen.restarts > job.restarts:
-            self._restarted(session, job, seen)
+        restarts = (job.launch or {}).get(RESTARTS_BEFORE, 0) + seen.restarts
+        if restarts > job.restarts:
+            self._restarted(session, job, seen, restarts)
         waited = self._pending_notes.pop(job.id, None) if seen.state != "pending" else None
         if seen.state == "pending" and seen.held:
             # Not admitted yet, or preempted by a higher-priority workload: the job waits its turn again.
@@ -468,9 +478,10 @@ class Dispatcher:
         service.add_event(session, job, "warning", reason, level="warn", data={"waiting": True})
         session.commit()
 
-    def _restarted(self, session: Session, job: Job, seen: Observation) -> None:
-        """The platform restarted the workers itself (a JobSet after a failure or a preemption)."""
-        job.restarts = seen.restarts
+    def _restarted(self, session: Session, job: Job, seen: Observation, restarts: int) -> None:
+        """The platform restarted the workers itself (a JobSet after a failure or a preemption): `restarts`
+        in all, with those of the job's runs before this one."""
+        job.restarts = restarts
         cause = f": {seen.restart_reason}" if seen.restart_reason else ""
         job.status_message = (
             f"The workers restarted (restart {job.restarts}){cause}; they resume from the last checkpoint."
@@ -518,19 +529,41 @@ class Dispatcher:
         service.add_event(session, job, "restart", job.status_message, data={"restarts": job.restarts})
         session.commit()
 
+    def _adopt_unrecorded(self, session: Session, job: Job) -> None:
+        """Record the run of a job claimed but whose launch was not recorded (a crash in between), if one
+        exists: a cancel or pause stops it too."""
+        handle = self.executor.find(job)
+        if handle is not None:
+            job.launch = handle
+            job.launched_at = job.admitted_at = utcnow()
+            session.add(job)
+            session.commit()
+
     def _cancel(self, session: Session, job: Job) -> None:
         if job.launched_at is None:
-            # A run may exist that was started but not recorded (a crash in between): stop it too.
-            handle = self.executor.find(job)
-            if handle is not None:
-                job.launch = handle
-                job.launched_at = job.admitted_at = utcnow()
-                session.add(job)
-                session.commit()
-            else:
+            self._adopt_unrecorded(session, job)
+            if job.launched_at is None:
                 self._discard(job, best_effort=False)  # retried on the next pass if the platform is away
         if job.launched_at is None or self.executor.cancel(job):
             service.transition(session, job, JobStatus.cancelled, "Cancelled; the workers are stopped.")
+
+    def _pause(self, session: Session, job: Job) -> None:
+        """Stop a pausing job's run as a cancel does (SIGTERM, or the JobSet deleted: its workers save a
+        checkpoint first; forcefully past TPUTUNE_CANCEL_GRACE_SECONDS), then call it paused: its chips are
+        let go, and once resumed it is launched anew and continues from the checkpoint. A run that ended
+        on its own first ends the job as it would have without the pause."""
+        if job.launched_at is None:
+            self._adopt_unrecorded(session, job)
+        if job.launched_at is not None:
+            seen = self.executor.observe(job)
+            if seen.state == "exited" and seen.exit_code not in STOPPED:
+                self._reconcile(session, job, seen)  # (it finished, or failed, before the pause stopped it)
+                return
+            if seen.state != "gone" and not self.executor.cancel(job):
+                return  # stopping; the next pass looks again
+        self._discard(job, best_effort=False)  # (the run's leftovers: resumed, it starts afresh)
+        message = "Paused: the workers stopped (saving a checkpoint on the way out); resume the job to go on."
+        service.transition(session, job, JobStatus.paused, message)
 
     def _discard(self, job: Job, best_effort: bool = True) -> None:
         if not isinstance(self.executor, Discards):

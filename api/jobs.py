@@ -80,7 +80,7 @@ JOB_COLUMNS = (
     *("id", "tenant", "name", "status", "status_message", "model", "method", "executor", "spec"),
     *("created_at", "started_at", "finished_at", "step", "total_steps", "epoch", "eta_seconds", "loss"),
     *("eval_loss", "learning_rate", "tokens_per_second", "trained_tokens", "restarts", "preemptions"),
-    *("admitted_at", "held_seconds"),
+    *("admitted_at", "held_seconds", "pauses"),
     *("error_code", "error_message", "output_uri", "checkpoint_uri"),
 )
 JobRow = namedtuple("JobRow", JOB_COLUMNS)  # type: ignore[misc]
@@ -127,7 +127,7 @@ class NewJob:
             f'"started_at":null,"finished_at":null,"progress":{{"step":{row["step"]},"total_steps":null,'
             '"epoch":null,"fraction":null,"eta_seconds":null},"metrics":{"loss":null,"eval_loss":null,'
             f'"learning_rate":null,"tokens_per_second":null}},"trained_tokens":{row["trained_tokens"]},'
-            f'"restarts":{row["restarts"]},"preemptions":{row["preemptions"]},'
+            f'"restarts":{row["restarts"]},"preemptions":{row["preemptions"]},"pauses":{row["pauses"]},'
             f'"usage":{{"chips":{tpu.chips_of(self.spec.resources, row["executor"])},'
             f'"chip_unit":{text(tpu.chip_unit(row["executor"]))},"held_seconds":0.0,"chip_hours":0.0}},'
             '"error":null,'
@@ -194,7 +194,7 @@ def prepare_job(
 
 # A new job's columns; every row of one executemany names the same ones.
 _NEW_ROW: dict[str, Any] = {"status": JobStatus.queued.value, "status_message": QUEUED_MESSAGE}
-_NEW_ROW.update(step=0, trained_tokens=0, restarts=0, preemptions=0, held_seconds=0.0)
+_NEW_ROW.update(step=0, trained_tokens=0, restarts=0, preemptions=0, pauses=0, held_seconds=0.0)
 _CREATED_EVENT = {"type": "status", "level": "info", "message": "Job created and queued."}
 _CREATED_DATA_JSON = json.dumps({"status": "queued"})
 
@@ -440,15 +440,15 @@ class QueueFull(Exception):
         return error
 
 
-def too_many_queued_jobs(tenant: str, queued: int, limit: int) -> ApiError:
+def too_many_queued_jobs(tenant: str, queued: int, limit: int, action: str = "submit this one") -> ApiError:
     if limit == 0:
         message = (
-            f"Your team ({tenant}) may not queue new jobs now (its limit of queued jobs is 0); ask an admin "
+            f"Your team ({tenant}) may not queue jobs now (its limit of queued jobs is 0); ask an admin "
             "to raise it."
         )
     else:
         message = (
-            f"Your team ({tenant}) has {queued} jobs queued and may have {limit}: submit this one once "
+            f"Your team ({tenant}) has {queued} jobs queued and may have {limit}: {action} once "
             "some have started, or cancel some."
         )
     return ApiError(
@@ -671,10 +671,14 @@ def transition(
         values.setdefault("started_at", now)
     if current == JobStatus.running and target == JobStatus.queued:  # (preempted: the usage report asks)
         values["preemptions"] = job.preemptions + 1
-    if target == JobStatus.queued:  # (held back to wait for quota: its chips are let go)
-        values["admitted_at"] = None
+    if target in (JobStatus.queued, JobStatus.paused):  # (held back to wait for quota, or paused: its
+        values["admitted_at"] = None  # chips are let go)
         if (admitted := as_utc(job.admitted_at)) is not None:
             values["held_seconds"] = job.held_seconds + (now - admitted).total_seconds()
+    if target == JobStatus.paused:
+        values["pauses"] = job.pauses + 1
+    elif current == JobStatus.paused:  # (resumed: its run is gone, the job is launched anew)
+        values.update(launched_at=None, launch=None)
     elif current == JobStatus.queued and target == JobStatus.starting and job.launched_at is not None:
         values.setdefault("admitted_at", now)  # (the platform let a run it held start: it takes its chips)
     if target in FINAL:
@@ -797,11 +801,13 @@ def request_cancel(session: Session, tenant: str | None, job_id: str, by: str | 
             raise ApiError(
                 409,
                 "job_finished",
-                f"Job {job_id} already {job.status}; only queued or running jobs can be cancelled.",
+                f"Job {job_id} already {job.status}; only unfinished jobs can be cancelled.",
             )
         if job.status == JobStatus.cancelling:
             return job
-        if job.status == JobStatus.queued and job.launched_at is None:
+        if job.status == JobStatus.paused:
+            done = transition(session, job, JobStatus.cancelled, f"Cancelled{who} while paused.")
+        elif job.status == JobStatus.queued and job.launched_at is None:
             done = transition(session, job, JobStatus.cancelled, f"Cancelled{who} before it started.")
         else:
             done = transition(
@@ -814,6 +820,69 @@ def request_cancel(session: Session, tenant: str | None, job_id: str, by: str | 
         if done:
             return job
     raise ApiError(409, "job_busy", f"Job {job_id} is changing state right now; retry the cancel.")
+
+
+def request_pause(session: Session, tenant: str | None, job_id: str, by: str | None = None) -> Job:
+    """Pause the job (of `tenant`'s; None: any): at once if it never launched, else `pausing` until its
+    workers have saved a checkpoint and stopped (the dispatcher ends the run; its chips are let go). A
+    paused job stays so until resumed (`request_resume`); its checkpoints and history are kept."""
+    who = f" by {by}" if by else ""
+    for _ in range(5):
+        job = get_job(session, tenant, job_id)
+        if job.status in (JobStatus.pausing, JobStatus.paused):
+            return job
+        if job.status not in (JobStatus.queued, JobStatus.starting, JobStatus.running):
+            verb = "is being cancelled" if job.status == JobStatus.cancelling else f"already {job.status}"
+            raise ApiError(
+                409,
+                "job_not_pausable",
+                f"Job {job_id} {verb}; only queued, starting or running jobs can be paused.",
+            )
+        if job.status == JobStatus.queued and job.launched_at is None:
+            message = f"Paused{who} before it started; resume it to queue it again."
+            done = transition(session, job, JobStatus.paused, message)
+        else:
+            message = f"Pause requested{who}; the workers save a checkpoint and stop."
+            done = transition(session, job, JobStatus.pausing, message)
+        if done:
+            return job
+    raise ApiError(409, "job_busy", f"Job {job_id} is changing state right now; retry the pause.")
+
+
+def request_resume(
+    session: Session, tenant: str | None, job_id: str, by: str | None = None, settings: Settings | None = None
+) -> Job:
+    """Queue a paused job again (of `tenant`'s; None: any): it waits its turn as a new job does, within
+    its team's limits, and its workers continue from its last checkpoint. With `settings`, a team at its
+    limit of queued jobs is refused (429) as a new job would be."""
+    who = f" by {by}" if by else ""
+    for _ in range(5):
+        job = get_job(session, tenant, job_id)
+        if job.status in (JobStatus.queued, JobStatus.starting, JobStatus.running):
+            return job  # (resumed already, or never paused)
+        if job.status != JobStatus.paused:
+            verb = "is still pausing" if job.status == JobStatus.pausing else f"is {job.status}"
+            hint = "; resume it once it is paused." if job.status == JobStatus.pausing else "."
+            message = f"Job {job_id} {verb}; only a paused job can be resumed{hint}"
+            raise ApiError(409, "job_not_paused", message)
+        if settings is not None:
+            _check_queue_room(session, job.tenant, settings)
+        message = f"Resumed{who}; queued, it continues from its last checkpoint."
+        if transition(session, job, JobStatus.queued, message):
+            return job
+    raise ApiError(409, "job_busy", f"Job {job_id} is changing state right now; retry the resume.")
+
+
+def _check_queue_room(session: Session, tenant: str, settings: Settings) -> None:
+    """Refuse (429) a job that would take `tenant` past its limit of queued jobs."""
+    row = session.get(Tenant, tenant)
+    limit = Limits.of(row, settings).max_queued_jobs
+    if limit is None:
+        return
+    statement = _COUNT_QUEUED.where(col(Job.tenant) == tenant).group_by(col(Job.tenant))
+    queued = next((count for _, count in session.execute(statement)), 0)
+    if queued >= limit:
+        raise too_many_queued_jobs(tenant, queued, limit, action="resume this job")
 
 
 # --- worker reports --------------------------------------------------------------------------------

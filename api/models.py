@@ -74,7 +74,9 @@ class Job(SQLModel, table=True):
     # Moves from running back to queued (Kueue preempted it): api.tenants.spent reads when such a job ran
     # from its status events.
     preemptions: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
-    # The seconds it held its chips before it last let them go (preempted, or held for quota by Kueue):
+    # Times it was paused (POST /jobs/{id}/pause); like a preempted one, api.tenants.spent reads its moves.
+    pauses: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    # The seconds it held its chips before it last let them go (preempted, held for quota by Kueue, paused):
     # with the time since `admitted_at`, what it has held in all (its `usage` in GET /jobs/{id}).
     held_seconds: float = Field(default=0.0, sa_column_kwargs={"server_default": "0"})
     error_code: str | None = Field(default=None, max_length=64)

@@ -70,6 +70,8 @@ def run(job_dir: Path, processes: int, command: list[str], peer_grace: float = P
     signal.signal(signal.SIGINT, _on_term)
     coordinator = f"127.0.0.1:{_free_port()}"
     for index in range(processes):
+        if stopping:  # (told to stop before all started: those started have the signal; start no more)
+            break
         env = dict(os.environ)
         if processes > 1:
             env.update(
@@ -98,6 +100,8 @@ def run(job_dir: Path, processes: int, command: list[str], peer_grace: float = P
                     child.terminate()
             first_failure_at = time.monotonic() + 3600
         time.sleep(0.05)
+    if exit_code is None and len(children) < processes:
+        exit_code = 128 + signal.SIGTERM  # (stopped before its workers started: it did not finish)
     final = exit_code if exit_code is not None else 0
     write_json_atomic(job_dir / EXIT_FILE, {"exit_code": final, "finished_at": time.time()})
     return final

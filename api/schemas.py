@@ -119,6 +119,10 @@ class JobPublic(BaseModel):
         description="How often the platform (Kueue) stopped it while running to give its chips to other "
         "work: it waited `queued` again, and resumed from its last checkpoint once readmitted."
     )
+    pauses: int = Field(
+        description="How often it was paused (POST /jobs/{id}/pause): its workers saved a checkpoint and "
+        "stopped, its chips were let go; once resumed, it continued from that checkpoint."
+    )
     usage: JobUsage = Field(description="What it has held: chips, and for how long.")
     error: JobError | None
     output_uri: str
@@ -164,6 +168,7 @@ class JobPublic(BaseModel):
             trained_tokens=job.trained_tokens,
             restarts=job.restarts,
             preemptions=job.preemptions,
+            pauses=job.pauses,
             usage=job_usage(job, spec),
             error=(
                 JobError.model_construct(code=job.error_code, message=job.error_message or "")

@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import Any
 
 import anyio
-from sqlalchemy import bindparam, case, literal, or_
+from sqlalchemy import and_, bindparam, case, literal, or_
 from sqlalchemy import select as sa_select
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, func, select
@@ -122,7 +122,8 @@ def _seconds_within(session: Session, began: Any, ended: Any, since: Any, until:
 
 _JOBS_AT_ONCE = 5_000  # preempted jobs whose moves one query reads (SQLite takes up to 32,766 parameters)
 # The statuses in which a job holds its chips: from its launch (or admission) until it ends.
-HOLDING = (JobStatus.starting.value, JobStatus.running.value, JobStatus.cancelling.value)
+HOLDING = tuple(sorted(status.value for status in ACTIVE))
+STOPPING = (JobStatus.cancelling.value, JobStatus.pausing.value)
 
 
 def spent(
@@ -132,15 +133,15 @@ def spent(
     then. A job takes its chips when it is launched (its JobSet created, its processes started), or when
     the platform lets a run it held for quota start (Kueue's admission, which counts its quota from then);
     it holds them while it starts (pods scheduled, the image pulled, the model loaded), runs, and is being
-    cancelled, until it ends. Not while it waits queued: before it is launched, held before its admission,
-    or preempted back to the queue (Kueue).
+    cancelled or paused, until it ends. Not while it waits queued: before it is launched, held before its
+    admission, or preempted back to the queue (Kueue); nor while it is paused.
 
-    A job never preempted (`Job.preemptions`) held them from when it was last admitted (`admitted_at`: a
-    wait for admission comes before) until it ended: its row says when. A preempted job's moves (its
-    status events) are read: it held its chips in each of those statuses until its next move. Summed in
-    the database, by tenant and resources (a few shapes serve many jobs). With 50,000 jobs in the window,
-    5% of them preempted: 0.33 s on SQLite, 0.17 s on PostgreSQL; reading every job's moves (250,000) took
-    0.67 s and 0.57 s (bench/usage_report.py)."""
+    A job never preempted (`Job.preemptions`) nor paused (`Job.pauses`) held them from when it was last
+    admitted (`admitted_at`: a wait for admission comes before) until it ended: its row says when. A
+    preempted or paused job's moves (its status events) are read: it held its chips in each of those
+    statuses until its next move. Summed in the database, by tenant and resources (a few shapes serve many
+    jobs). With 50,000 jobs in the window, 5% of them preempted: 0.33 s on SQLite, 0.17 s on PostgreSQL;
+    reading every job's moves (250,000) took 0.67 s and 0.57 s (bench/usage_report.py)."""
     until = min(until, utcnow())  # (what runs now has run until now)
     if since >= until:
         return {}
@@ -161,7 +162,7 @@ def spent(
         func.sum(c.trained_tokens),
     )
     admitted = [c.admitted_at.is_not(None), c.admitted_at < until, ended_after]
-    plain = plain.where(c.preemptions == 0, *admitted, *own).group_by(c.tenant, shape)
+    plain = plain.where(c.preemptions == 0, c.pauses == 0, *admitted, *own).group_by(c.tenant, shape)
     # A preempted one held them while starting, running or cancelling: each status it was in, from when to
     # when, are its moves (the status events that name a status: not the workers' reports of their phase,
     # nor why a job waits), each until the next.
@@ -173,6 +174,7 @@ def spent(
             shape.label("shape"),
             c.trained_tokens.label("tokens"),
             status.label("status"),
+            func.coalesce(e.data["from"].as_string(), "").label("moved_from"),
             e.created_at.label("began"),
             func.lead(e.created_at).over(partition_by=e.job_seq, order_by=e.id).label("ended"),
         )
@@ -189,7 +191,13 @@ def spent(
             func.max(s.tokens).label("tokens"),
             func.sum(_seconds_within(session, s.began, s.ended, since_p, until_p)).label("seconds"),
         )
-        .where(s.status.in_(HOLDING), s.began < until_p, func.coalesce(s.ended, until_p) > since_p)
+        .where(
+            s.status.in_(HOLDING),
+            # (a run held for quota that is then paused or cancelled holds nothing on its way out)
+            ~and_(s.moved_from == JobStatus.queued.value, s.status.in_(STOPPING)),
+            s.began < until_p,
+            func.coalesce(s.ended, until_p) > since_p,
+        )
         .group_by(s.job, s.tenant, s.shape)
         .subquery()
     )
@@ -201,7 +209,7 @@ def spent(
     connection = session.connection()
     rows = list(connection.execute(plain))
     # The preempted jobs first, then their moves: joined in one query, SQLite read every job's events.
-    preempted_then = [c.preemptions > 0, c.created_at < until, ended_after, *own]
+    preempted_then = [or_(c.preemptions > 0, c.pauses > 0), c.created_at < until, ended_after, *own]
     seqs = list(connection.execute(sa_select(c.seq).where(*preempted_then)).scalars())
     for first in range(0, len(seqs), _JOBS_AT_ONCE):
         rows += connection.execute(preempted, {"jobs": seqs[first : first + _JOBS_AT_ONCE]})

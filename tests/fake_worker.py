@@ -82,6 +82,9 @@ def main() -> int:
         (out / "preempted").write_text("1")
         return EXIT_PREEMPTED
     step = 0
+    if config.spec.metadata.get("resume") == "checkpoint" and (out / "checkpoint.json").exists():
+        step = json.loads((out / "checkpoint.json").read_text())["step"]  # (as the real worker resumes)
+        print(f"resumed from the checkpoint at step {step}", flush=True)
     while mode in ("hang", "slow") or step < steps:
         step += 1
         send(

@@ -51,6 +51,8 @@ def test_unknown_job_is_404(client: TestClient) -> None:
     for method, path in [
         ("get", "/jobs/ft-nope"),
         ("post", "/jobs/ft-nope/cancel"),
+        ("post", "/jobs/ft-nope/pause"),
+        ("post", "/jobs/ft-nope/resume"),
         ("get", "/jobs/ft-nope/events"),
     ]:
         response = client.request(method, path)
@@ -282,6 +284,93 @@ def test_cancel_queued_and_finished(client: TestClient, dataset: Path) -> None:
     assert again.json()["error"]["code"] == "job_finished"
     events = client.get(f"/jobs/{job['id']}/events").json()["data"]
     assert [e["data"]["status"] for e in events if e["type"] == "status"] == ["queued", "cancelled"]
+
+
+def statuses(client: TestClient, job_id: str) -> list[str]:
+    events = client.get(f"/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
+    return [e["data"]["status"] for e in events if e["type"] == "status" and "status" in (e["data"] or {})]
+
+
+def test_pause_and_resume_a_queued_job(client: TestClient, dataset: Path) -> None:
+    job = client.post("/jobs", json=job_body(dataset)).json()
+    paused = client.post(f"/jobs/{job['id']}/pause")
+    assert paused.status_code == 200, paused.text
+    assert paused.json()["status"] == "paused" and paused.json()["pauses"] == 1
+    assert "resume it" in paused.json()["status_message"]
+    assert paused.json()["finished_at"] is None  # (not an end)
+    assert client.get(f"/jobs/{job['id']}").json() == paused.json()
+    # Pausing it again changes nothing; a paused job is listed as such.
+    again = client.post(f"/jobs/{job['id']}/pause")
+    assert again.status_code == 200 and again.json() == paused.json()
+    listed = client.get("/jobs", params={"status": "paused"}).json()["data"]
+    assert [j["id"] for j in listed] == [job["id"]]
+    assert client.get("/jobs", params={"status": "queued"}).json()["data"] == []
+
+    resumed = client.post(f"/jobs/{job['id']}/resume")
+    assert resumed.status_code == 200, resumed.text
+    assert resumed.json()["status"] == "queued" and resumed.json()["pauses"] == 1
+    assert "continues from its last checkpoint" in resumed.json()["status_message"]
+    # Resuming a queued job changes nothing.
+    assert client.post(f"/jobs/{job['id']}/resume").json() == resumed.json()
+    assert statuses(client, job["id"]) == ["queued", "paused", "queued"]
+
+    # A paused job is cancelled at once; a finished one is neither paused nor resumed.
+    client.post(f"/jobs/{job['id']}/pause")
+    cancelled = client.post(f"/jobs/{job['id']}/cancel")
+    assert cancelled.json()["status"] == "cancelled" and "while paused" in cancelled.json()["status_message"]
+    for action, code in [("pause", "job_not_pausable"), ("resume", "job_not_paused")]:
+        refused = client.post(f"/jobs/{job['id']}/{action}")
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["error"]["code"] == code
+        assert (
+            "already cancelled" in refused.json()["error"]["message"]
+            or "is cancelled" in (refused.json()["error"]["message"])
+        )
+    assert statuses(client, job["id"]) == ["queued", "paused", "queued", "paused", "cancelled"]
+    assert client.get(f"/jobs/{job['id']}").json()["pauses"] == 2
+
+
+def test_pause_a_started_job_waits_for_its_workers(client: TestClient, dataset: Path) -> None:
+    """A launched job goes to `pausing`: its worker learns it from the answer to its next report, and the
+    job is not resumed before its workers have stopped."""
+    from tests.test_progress import metrics, post, started_job
+
+    job_id, token = started_job(client, dataset)
+    pausing = client.post(f"/jobs/{job_id}/pause")
+    assert pausing.status_code == 200 and pausing.json()["status"] == "pausing", pausing.text
+    assert pausing.json()["pauses"] == 0
+    answer = post(client, job_id, token, [metrics(1, 2.0)])
+    assert answer.status_code == 200 and answer.json()["job_status"] == "pausing"
+    assert client.get(f"/jobs/{job_id}").json()["status"] == "pausing"  # (a report does not make it run)
+    early = client.post(f"/jobs/{job_id}/resume")
+    assert early.status_code == 409 and early.json()["error"]["code"] == "job_not_paused"
+    assert "still pausing" in early.json()["error"]["message"]
+    # A cancel does not wait for the pause.
+    assert client.post(f"/jobs/{job_id}/cancel").json()["status"] == "cancelling"
+    refused = client.post(f"/jobs/{job_id}/pause")
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "job_not_pausable"
+    assert "being cancelled" in refused.json()["error"]["message"]
+
+
+def test_resume_keeps_to_the_teams_limit_on_queued_jobs(
+    make_settings: Callable[..., Any], dataset: Path
+) -> None:
+    from api.main import create_app
+
+    settings = make_settings(dispatcher_enabled=False, tenant_max_queued_jobs=1)
+    with TestClient(create_app(settings)) as client:
+        first = client.post("/jobs", json=job_body(dataset)).json()["id"]
+        assert client.post(f"/jobs/{first}/pause").json()["status"] == "paused"
+        second = client.post("/jobs", json=job_body(dataset))
+        assert second.status_code == 201  # (a paused job takes no room in the queue)
+        full = client.post(f"/jobs/{first}/resume")
+        assert full.status_code == 429, full.text
+        assert full.json()["error"]["code"] == "too_many_queued_jobs"
+        assert "resume this job once" in full.json()["error"]["message"]
+        assert full.headers["Retry-After"]
+        assert client.get(f"/jobs/{first}").json()["status"] == "paused"
+        client.post(f"/jobs/{second.json()['id']}/cancel")
+        assert client.post(f"/jobs/{first}/resume").json()["status"] == "queued"
 
 
 def test_health(client: TestClient) -> None:

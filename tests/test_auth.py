@@ -115,11 +115,14 @@ def test_tenants_are_isolated(auth_client: TestClient, dataset: Path) -> None:
     for method, path in [
         ("get", f"/jobs/{job_id}"),
         ("post", f"/jobs/{job_id}/cancel"),
+        ("post", f"/jobs/{job_id}/pause"),
+        ("post", f"/jobs/{job_id}/resume"),
         ("get", f"/jobs/{job_id}/events"),
         ("get", f"/jobs/{job_id}/logs"),
     ]:
         response = auth_client.request(method, path, headers=bearer(beta))
         assert response.status_code == 404 and response.json()["error"]["code"] == "job_not_found"
+    assert auth_client.get(f"/jobs/{job_id}", headers=bearer(alpha)).json()["status"] == "queued"
     assert auth_client.get("/jobs", headers=bearer(beta)).json()["data"] == []
     assert [j["id"] for j in auth_client.get("/jobs", headers=bearer(alpha)).json()["data"]] == [job_id]
     # Nor is it a cursor for beta's list: the same answer as for an id that exists nowhere.
@@ -229,7 +232,13 @@ def test_worker_token_cannot_read_or_cancel(auth_client: TestClient, dataset: Pa
     auth_client.headers.update(bearer(key))
     job_id, token = started_job(auth_client, dataset)
     auth_client.headers.pop("Authorization")
-    for method, path in [("get", f"/jobs/{job_id}"), ("post", f"/jobs/{job_id}/cancel"), ("get", "/jobs")]:
+    for method, path in [
+        ("get", f"/jobs/{job_id}"),
+        ("post", f"/jobs/{job_id}/cancel"),
+        ("post", f"/jobs/{job_id}/pause"),
+        ("post", f"/jobs/{job_id}/resume"),
+        ("get", "/jobs"),
+    ]:
         assert auth_client.request(method, path, headers=bearer(token)).status_code == 401
     assert post(auth_client, job_id, token, [{"kind": "metrics", "step": 1, "loss": 1.0}]).status_code == 200
     # Without a token, the body is not looked at: 401, not a 422 about it.

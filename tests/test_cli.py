@@ -9,8 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlmodel import Session, select
 
 from api.cli import interruptions_line, main, progress_line, usage_line
+from api.jobs import transition
+from api.models import Job, utcnow
+from api.states import JobStatus
 
 
 def run(api, capsys, *argv: str) -> tuple[int, str, str]:  # type: ignore[no-untyped-def]
@@ -99,6 +103,36 @@ def test_watch_exit_codes_and_cancel(live_api, dataset: Path, capsys) -> None:  
     assert time.monotonic() - started < 20
 
 
+def test_watch_waits_out_a_pause(live_api, dataset: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A paused job has not ended: `watch` says it is paused, and goes on once it is resumed."""
+    api = live_api()
+    code, out, _ = run(api, capsys, "submit", "--name", "a", "--model", "tiny", "--dataset", str(dataset),
+                       "--set", "metadata.fake=succeed", "--set", 'metadata.steps="20"',
+                       "--set", 'metadata.interval="0.05"')  # fmt: skip
+    job_id = out.split()[1]
+    assert run(api, capsys, "pause", job_id)[0] == 0
+    with api.client() as http:
+        deadline = time.monotonic() + 20
+        while http.get(f"/jobs/{job_id}").json()["status"] != "paused":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+    def resume() -> None:
+        with api.client() as http:
+            http.post(f"/jobs/{job_id}/resume")
+
+    later = threading.Timer(1.0, resume)
+    later.start()
+    try:
+        code, out, _ = run(api, capsys, "watch", job_id, "--interval", "0.2")
+    finally:
+        later.join()
+    lines = out.splitlines()
+    assert code == 0 and lines[-1] == f"{job_id} succeeded"
+    assert lines[0].startswith("paused: Paused"), lines
+    assert any(line.startswith("[") and line.endswith("succeeded") for line in lines)
+
+
 def test_watch_says_why_a_job_waits_until_it_runs(live_api, dataset: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     api = live_api(tenant_max_active_jobs=1)
     code, out, _ = run(api, capsys, "submit", "--name", "a", "--model", "tiny", "--dataset", str(dataset),
@@ -143,6 +177,92 @@ def test_api_errors_are_sentences(live_api, dataset: Path, capsys) -> None:  # t
     assert code == 3 and "Cannot reach the tputune API" in err
 
 
+def _submit(api, capsys, dataset: Path, fake: str = "succeed") -> str:  # type: ignore[no-untyped-def]
+    flags = ("--name", f"{fake}-job", "--model", "tiny", "--dataset", str(dataset))
+    code, out, _ = run(api, capsys, "submit", *flags, "--set", f"metadata.fake={fake}")
+    assert code == 0, out
+    return out.split()[1]
+
+
+def test_pause_and_resume_a_queued_job(live_api, dataset: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Nothing launched: paused at once, and queued again; asking twice changes nothing."""
+    api = live_api(dispatcher_enabled=False)
+    job_id = _submit(api, capsys, dataset)
+    assert run(api, capsys, "pause", job_id) == (0, f"{job_id} paused\n", "")
+    assert run(api, capsys, "pause", job_id) == (0, f"{job_id} paused\n", "")  # (already: unchanged)
+    code, out, _ = run(api, capsys, "status", job_id)
+    assert code == 0 and out.splitlines()[0].endswith("  paused")
+    assert "  1 pause (each resumed from the latest checkpoint)\n" in out
+    assert "Paused before it started; resume it to queue it again." in out
+    code, out, _ = run(api, capsys, "list", "--status", "paused")
+    assert code == 0 and [line.split()[:2] for line in out.splitlines()[1:]] == [[job_id, "paused"]]
+    assert run(api, capsys, "resume", job_id) == (0, f"{job_id} queued\n", "")
+    assert run(api, capsys, "resume", job_id) == (0, f"{job_id} queued\n", "")  # (already: unchanged)
+    job = api.client().get(f"/jobs/{job_id}").json()
+    assert (job["status"], job["pauses"]) == ("queued", 1)
+
+    # Paused again, then cancelled: neither can be asked of it any more, and each says why.
+    assert run(api, capsys, "pause", job_id)[1] == f"{job_id} paused\n"
+    assert run(api, capsys, "cancel", job_id)[1] == f"{job_id} cancelled\n"
+    code, out, err = run(api, capsys, "pause", job_id)
+    assert (code, out) == (3, "")
+    assert err == (
+        f"error: Job {job_id} already cancelled; only queued, starting or running jobs can be paused. "
+        "(job_not_pausable)\n"
+    )
+    code, out, err = run(api, capsys, "resume", job_id)
+    assert (code, out) == (3, "")
+    assert err == f"error: Job {job_id} is cancelled; only a paused job can be resumed. (job_not_paused)\n"
+    code, _, err = run(api, capsys, "pause", "ft-missing")
+    assert code == 3 and "No job with id 'ft-missing'" in err
+
+
+def test_a_pausing_job_cannot_be_resumed_yet(live_api, dataset: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A launched job is `pausing` until its workers stopped (here: never, the dispatcher is off)."""
+    api = live_api(dispatcher_enabled=False)
+    job_id = _submit(api, capsys, dataset)
+    engine = api.server.config.app.state.engine
+    with Session(engine) as session:  # (as the dispatcher leaves a job it launched)
+        job = session.exec(select(Job).where(Job.id == job_id)).one()
+        transition(session, job, JobStatus.starting, launched_at=utcnow())
+        session.commit()
+    assert run(api, capsys, "pause", job_id) == (0, f"{job_id} pausing\n", "")
+    code, out, err = run(api, capsys, "resume", job_id)
+    assert (code, out) == (3, "")
+    assert err == (
+        f"error: Job {job_id} is still pausing; only a paused job can be resumed; resume it once it is "
+        "paused. (job_not_paused)\n"
+    )
+    assert run(api, capsys, "cancel", job_id) == (0, f"{job_id} cancelling\n", "")
+
+
+def test_resume_over_the_queued_jobs_limit_is_refused(live_api, dataset: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    api = live_api(dispatcher_enabled=False, tenant_max_queued_jobs=1)
+    paused = _submit(api, capsys, dataset)
+    assert run(api, capsys, "pause", paused)[1] == f"{paused} paused\n"
+    _submit(api, capsys, dataset)  # (the queue has room again: a paused job does not wait in it)
+    code, out, err = run(api, capsys, "resume", paused)
+    assert (code, out) == (3, "")
+    assert "(too_many_queued_jobs)" in err and "has 1 jobs queued and may have 1: resume this job" in err
+    assert api.client().get(f"/jobs/{paused}").json()["status"] == "paused"
+
+
+def test_pause_stops_a_running_job_and_resume_runs_it_again(live_api, dataset: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    api = live_api()
+    job_id = _submit(api, capsys, dataset, fake="slow")
+    api.wait_for(job_id, lambda j: j["status"] == "running")
+    assert run(api, capsys, "pause", job_id) == (0, f"{job_id} pausing\n", "")
+    api.wait_for(job_id, lambda j: j["status"] == "paused")
+    code, out, _ = run(api, capsys, "status", job_id)
+    assert code == 0 and out.splitlines()[0].endswith("  paused") and "  1 pause (" in out
+    assert run(api, capsys, "resume", job_id) == (0, f"{job_id} queued\n", "")
+    job = api.wait_for(job_id, lambda j: j["status"] == "running")
+    assert job["pauses"] == 1
+    assert run(api, capsys, "cancel", job_id) == (0, f"{job_id} cancelling\n", "")
+    code, out, _ = run(api, capsys, "watch", job_id, "--interval", "0.2")
+    assert code == 2 and out.strip().endswith(f"{job_id} cancelled")
+
+
 @pytest.mark.parametrize(
     ("job", "expected"),
     [
@@ -170,16 +290,21 @@ def test_progress_line(job: dict, expected: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("restarts", "preemptions", "expected"),
+    ("restarts", "preemptions", "pauses", "expected"),
     [
-        (0, 0, None),
-        (1, 0, "1 restart (each resumed from the latest checkpoint)"),
-        (0, 3, "3 preemptions (each resumed from the latest checkpoint)"),
-        (2, 1, "2 restarts, 1 preemption (each resumed from the latest checkpoint)"),
+        (0, 0, 0, None),
+        (1, 0, 0, "1 restart (each resumed from the latest checkpoint)"),
+        (0, 3, 0, "3 preemptions (each resumed from the latest checkpoint)"),
+        (2, 1, 0, "2 restarts, 1 preemption (each resumed from the latest checkpoint)"),
+        (0, 0, 1, "1 pause (each resumed from the latest checkpoint)"),
+        (1, 2, 3, "1 restart, 2 preemptions, 3 pauses (each resumed from the latest checkpoint)"),
     ],
 )
-def test_interruptions_line(restarts: int, preemptions: int, expected: str | None) -> None:
-    assert interruptions_line({"restarts": restarts, "preemptions": preemptions}) == expected
+def test_interruptions_line(restarts: int, preemptions: int, pauses: int, expected: str | None) -> None:
+    job = {"restarts": restarts, "preemptions": preemptions, "pauses": pauses}
+    assert interruptions_line(job) == expected
+    if not pauses:  # (a server from before `pauses`)
+        assert interruptions_line({"restarts": restarts, "preemptions": preemptions}) == expected
 
 
 @pytest.mark.parametrize(

@@ -328,7 +328,7 @@ def test_cancel_refused_shows_the_api_sentence(
     page.once("dialog", lambda dialog: dialog.accept())
     page.locator("#cancel").click()
     expect(page.locator("#cancel-error")).to_have_text(
-        f"Job {job_id} already cancelled; only queued or running jobs can be cancelled."
+        f"Job {job_id} already cancelled; only unfinished jobs can be cancelled."
     )
     expect(page.locator("#status")).to_have_text("cancelled")
     expect(page.locator("#cancel")).to_be_disabled()
@@ -359,6 +359,109 @@ def test_fresh_queued_job_renders_and_cancels(
     expect(page.locator("#live")).to_have_text("Job finished; no more updates.")
     expect(page.locator("#events li").first).to_contain_text("Cancelled before it started.")
     tab.assert_clean()
+
+
+def test_pause_and_resume_buttons(
+    live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    """Pause is offered while the job may run, Resume while it is paused; Cancel until it ends."""
+    api = live_api(dispatcher_enabled=False)
+    job_id = create(api, dataset, "pauses")
+    tab = open_tab(api, f"/ui/jobs/{job_id}")
+    page = tab.page
+    pause, resume, cancel = page.locator("#pause"), page.locator("#resume"), page.locator("#cancel")
+    expect(page.locator("#status")).to_have_text("queued")
+    expect(pause).to_be_enabled()
+    expect(resume).to_be_disabled()
+    expect(cancel).to_be_enabled()
+    expect(page.locator("#f-pauses")).to_have_text("0")
+
+    pause.click()
+    expect(page.locator("#status")).to_have_text("paused")
+    expect(page.locator("#status")).to_have_attribute("data-status", "paused")
+    expect(pause).to_be_disabled()
+    expect(resume).to_be_enabled()
+    expect(cancel).to_be_enabled()  # (a paused job can still be cancelled)
+    expect(page.locator("#f-pauses")).to_have_text("1")
+    expect(page.locator("#status-message")).to_have_text(
+        "Paused before it started; resume it to queue it again."
+    )
+    expect(page.locator("#events li").first).to_contain_text("Paused before it started")  # (live)
+    expect(page.locator("#live")).to_have_text("● Live")  # (paused is not the end)
+    with api.client() as http:
+        assert http.get(f"/jobs/{job_id}").json()["status"] == "paused"
+    screenshot(page, "paused")
+
+    resume.click()
+    expect(page.locator("#status")).to_have_text("queued")
+    expect(pause).to_be_enabled()
+    expect(resume).to_be_disabled()
+    expect(page.locator("#f-pauses")).to_have_text("1")
+    expect(page.locator("#events li").first).to_contain_text("Resumed")
+    with api.client() as http:
+        assert http.get(f"/jobs/{job_id}").json()["status"] == "queued"
+
+    # Another client pauses it: the page hears so and offers Resume; then Cancel ends it.
+    with api.client() as http:
+        assert http.post(f"/jobs/{job_id}/pause").json()["status"] == "paused"
+    expect(resume).to_be_enabled(timeout=5_000)
+    expect(pause).to_be_disabled()
+    page.once("dialog", lambda dialog: dialog.accept())
+    cancel.click()
+    expect(page.locator("#status")).to_have_text("cancelled")
+    for button in (pause, resume, cancel):
+        expect(button).to_be_disabled()
+    expect(page.locator("#events li").first).to_contain_text("Cancelled while paused.")
+    tab.assert_clean()
+
+
+def test_a_pausing_job_offers_only_cancel(
+    live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    api = live_api(dispatcher_enabled=False)
+    job_id, token = started(api, dataset, "launched")
+    report(api, job_id, token, [step(4, 2.5)])
+    tab = open_tab(api, f"/ui/jobs/{job_id}")
+    page = tab.page
+    expect(page.locator("#status")).to_have_text("running")
+    expect(page.locator("#progress-text")).to_have_text("Step 4 of 20 (20%) · about 8m left")
+    page.locator("#pause").click()
+    expect(page.locator("#status")).to_have_text("pausing")  # (until its workers stopped)
+    expect(page.locator("#progress-text")).to_have_text("Step 4 of 20 (20%)")  # (no time left: it stops)
+    expect(page.locator("#pause")).to_be_disabled()
+    expect(page.locator("#resume")).to_be_disabled()
+    expect(page.locator("#cancel")).to_be_enabled()
+    expect(page.locator("#events li").first).to_contain_text("Pause requested")
+    with api.client() as http:
+        assert http.get(f"/jobs/{job_id}").json()["status"] == "pausing"
+    tab.assert_clean()
+
+
+def test_refused_pause_and_resume_show_the_api_sentence(
+    live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    api = live_api(dispatcher_enabled=False)
+    paused, queued = create(api, dataset, "paused"), create(api, dataset, "queued")
+    with api.client() as http:
+        assert http.post(f"/jobs/{paused}/pause").json()["status"] == "paused"
+    refusals = {
+        "resume": "is cancelled; only a paused job can be resumed.",
+        "pause": "already cancelled; only queued, starting or running jobs can be paused.",
+    }
+    for job_id, button, shown in ((paused, "resume", "paused"), (queued, "pause", "queued")):
+        tab = open_tab(api, f"/ui/jobs/{job_id}")
+        page = tab.page
+        # Keep the page from hearing that the job ends, as if it ended a moment before the click.
+        page.route("**/events?follow=true*", lambda route: route.abort())
+        page.reload()
+        expect(page.locator("#status")).to_have_text(shown)
+        with api.client() as http:
+            assert http.post(f"/jobs/{job_id}/cancel").json()["status"] == "cancelled"
+        page.locator(f"#{button}").click()
+        expect(page.locator("#action-error")).to_have_text(f"Job {job_id} {refusals[button]}")
+        expect(page.locator("#status")).to_have_text("cancelled")
+        for name in ("pause", "resume", "cancel"):
+            expect(page.locator(f"#{name}")).to_be_disabled()
 
 
 def test_unknown_job_shows_the_api_sentence(
@@ -428,6 +531,16 @@ def test_jobs_list_filters_links_and_refreshes(
     page.locator("#status-filter").select_option("queued")
     expect(rows).to_have_count(1)
     expect(rows.first).to_have_attribute("data-job-id", queued)
+    page.locator("#status-filter").select_option("")
+    expect(rows).to_have_count(3)
+    with api.client() as http:
+        assert http.post(f"/jobs/{queued}/pause").json()["status"] == "paused"
+        assert http.post(f"/jobs/{running}/pause").json()["status"] == "pausing"
+    for status, job_id in (("paused", queued), ("pausing", running)):
+        page.locator("#status-filter").select_option(status)
+        expect(rows).to_have_count(1)
+        expect(rows.first).to_have_attribute("data-job-id", job_id)
+        expect(rows.first.locator(".badge")).to_have_attribute("data-status", status)
     page.locator("#status-filter").select_option("")
     expect(rows).to_have_count(3)
 

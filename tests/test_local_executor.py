@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -122,6 +123,56 @@ def test_cancel_running_job_stops_its_processes(live_api, dataset: Path) -> None
     assert _gone(pid)
     # The worker got SIGTERM (not SIGKILL): it saved its state on the way out.
     assert (Path(job["output_uri"]) / "checkpoint.json").exists()
+
+
+def test_pause_stops_the_workers_and_resume_goes_on_from_the_checkpoint(  # type: ignore[no-untyped-def]
+    live_api, dataset: Path
+) -> None:
+    api = live_api()
+    job_id = submit(api, dataset, "succeed", steps="30", interval="0.1", resume="checkpoint")
+    api.wait_for(job_id, lambda j: j["status"] == "running" and j["progress"]["step"] >= 3)
+    pid = _runner_pid(api, job_id)
+    with api.client() as http:
+        response = http.post(f"/jobs/{job_id}/pause")
+    assert response.status_code == 200 and response.json()["status"] in ("pausing", "paused"), response.text
+    paused = api.wait_for(job_id, lambda j: j["status"] == "paused")
+    assert _gone(pid) and paused["pauses"] == 1 and paused["finished_at"] is None
+    assert paused["status_message"].startswith("Paused: the workers stopped")
+    # The worker got SIGTERM: it saved its step on the way out.
+    saved = json.loads((Path(paused["output_uri"]) / "checkpoint.json").read_text())["step"]
+    assert 3 <= saved <= paused["progress"]["step"] + 1
+    # Paused, it holds nothing: its usage stands still.
+    time.sleep(0.5)
+    with api.client() as http:
+        still = http.get(f"/jobs/{job_id}").json()
+    assert still["status"] == "paused" and still["usage"] == paused["usage"]
+
+    with api.client() as http:
+        assert http.post(f"/jobs/{job_id}/resume").json()["status"] == "queued"
+    job = api.wait_for(job_id, lambda j: j["status"] in FINAL)
+    assert job["status"] == "succeeded", job
+    # Launched anew (not a restart), and it went on from its checkpoint instead of from the start.
+    assert job["restarts"] == 0 and job["pauses"] == 1
+    history = events(api, job_id)
+    assert [e["type"] for e in history].count("launch") == 2
+    steps = [e["step"] for e in history if e["type"] == "metrics"]
+    assert sorted(set(steps)) == list(range(1, 31))
+    with api.client() as http:
+        logs = http.get(f"/jobs/{job_id}/logs", params={"tail": 1000}).json()["lines"]
+    assert f"resumed from the checkpoint at step {saved}" in "\n".join(logs)
+    moves = [
+        (e["data"]["status"], datetime.fromisoformat(e["created_at"]))
+        for e in history
+        if e["type"] == "status" and "status" in (e["data"] or {})
+    ]
+    assert [status for status, _ in moves] == [
+        *("queued", "starting", "running", "pausing", "paused"),
+        *("queued", "starting", "running", "succeeded"),
+    ]
+    # It held its process from each launch until it let it go: paused, then at its end.
+    launches = [datetime.fromisoformat(e["created_at"]) for e in history if e["type"] == "launch"]
+    held = (moves[4][1] - launches[0]) + (moves[8][1] - launches[1])
+    assert job["usage"]["held_seconds"] == pytest.approx(held.total_seconds(), abs=0.05)
 
 
 def test_cancel_hanging_worker_kills_after_grace(live_api, dataset: Path) -> None:  # type: ignore[no-untyped-def]

@@ -198,3 +198,101 @@ def test_when_jobs_took_their_chips_is_read_from_the_events_stored_before(
     assert {job.id: job.held_seconds for job in stored} == pytest.approx(held_for, abs=0.01)
     downgrade(url, "0007")
     upgrade(url)
+
+
+def test_jobs_stored_before_pauses_were_never_paused(
+    make_settings: Callable[..., Settings], dataset: Path
+) -> None:
+    """0010 adds jobs.pauses: 0 for the jobs stored before (whatever else they went through). Its downgrade
+    drops the column only: the jobs, their events and metadata stay (SQLite's DROP COLUMN, not a copy of
+    the table whose drop would take them by ON DELETE CASCADE), and upgrading again gives them 0 again."""
+    settings = make_settings()
+    url = settings.resolved_database_url
+    downgrade(url, "0009")
+    engine = make_engine(url)
+    spec = JobCreate.model_validate(
+        {"name": "j", "model": "tiny", "dataset_uri": str(dataset), "metadata": {"team": "nlp"}}
+    )
+    jobs = [prepare_job(spec, settings, "alpha") for _ in range(3)]
+    with engine.begin() as connection:
+        write_jobs(connection, jobs)  # (the writer's statements name their columns: no pauses)
+        seqs = [
+            connection.execute(text("SELECT seq FROM jobs WHERE id = :id"), {"id": job.id}).scalar_one()
+            for job in jobs
+        ]
+        previous = "queued"
+        for status in ("starting", "running", "queued", "starting", "running", "succeeded"):
+            data = {"status": status, "from": previous}
+            row = {"job_seq": seqs[0], "created_at": utcnow(), "type": "status", "message": "", "data": data}
+            connection.execute(insert(JobEvent.__table__), row)  # type: ignore[attr-defined]
+            previous = status
+        connection.execute(
+            text(
+                "UPDATE jobs SET status = 'succeeded', preemptions = 1, held_seconds = 42.5, restarts = 2 "
+                "WHERE seq = :seq"
+            ),
+            {"seq": seqs[0]},
+        )
+        connection.execute(text("UPDATE jobs SET status = 'running' WHERE seq = :seq"), {"seq": seqs[1]})
+    engine.dispose()
+
+    def stored() -> dict[str, tuple[object, ...]]:
+        engine = make_engine(url)
+        try:
+            with engine.connect() as connection:
+                columns = "id, status, preemptions, held_seconds, restarts"
+                rows = connection.execute(text(f"SELECT {columns} FROM jobs")).all()
+        finally:
+            engine.dispose()
+        return {row[0]: tuple(row[1:]) for row in rows}
+
+    def counts() -> tuple[int, int, int]:
+        engine = make_engine(url)
+        try:
+            with engine.connect() as connection:
+                return tuple(  # type: ignore[return-value]
+                    connection.execute(text(f"SELECT count(*) FROM {table}")).scalar_one()
+                    for table in ("jobs", "job_events", "job_metadata")
+                )
+        finally:
+            engine.dispose()
+
+    def pauses() -> dict[str, int]:
+        engine = make_engine(url)
+        try:
+            with engine.connect() as connection:
+                return dict(connection.execute(text("SELECT id, pauses FROM jobs")).all())  # type: ignore[arg-type]
+        finally:
+            engine.dispose()
+
+    before, stored_counts = stored(), counts()
+    assert stored_counts == (3, 3 + 6, 3)  # (each job's "queued" event and metadata, the first's moves)
+    assert before[jobs[0].id] == ("succeeded", 1, 42.5, 2)
+
+    upgrade(url)
+    assert pauses() == {job.id: 0 for job in jobs}
+    assert stored() == before and counts() == stored_counts
+    engine = make_engine(url)
+    with engine.begin() as connection:
+        connection.execute(text("UPDATE jobs SET pauses = 3 WHERE seq = :seq"), {"seq": seqs[2]})
+        # A job written now names no pauses either: the column's default.
+        later = prepare_job(spec, settings, "alpha")
+        write_jobs(connection, [later])
+    with Session(engine) as session:
+        assert session.exec(select(Job).where(Job.id == later.id)).one().pauses == 0
+    engine.dispose()
+    assert pauses()[jobs[2].id] == 3
+
+    downgrade(url, "0009")
+    engine = make_engine(url)
+    with engine.connect() as connection:
+        columns = {column["name"] for column in inspect(connection).get_columns("jobs")}
+    engine.dispose()
+    assert "pauses" not in columns and {"preemptions", "held_seconds", "admitted_at"} <= columns
+    assert stored() == {**before, later.id: ("queued", 0, 0.0, 0)}
+    assert counts() == (4, 3 + 6 + 1, 3 + 1)
+
+    upgrade(url)
+    assert pauses() == {**{job.id: 0 for job in jobs}, later.id: 0}
+    assert stored() == {**before, later.id: ("queued", 0, 0.0, 0)}
+    assert counts() == (4, 10, 4)

@@ -24,6 +24,12 @@ def test_state_machine() -> None:
     assert can_transition("running", "queued")  # Kueue preempted it: waiting for quota again
     assert not can_transition("running", "starting")
     assert not can_transition("cancelling", "queued")
+    # Paused and resumed: a queued job never launched is paused at once, a launched one stops first.
+    assert can_transition("queued", "paused") and can_transition("running", "pausing")
+    assert can_transition("pausing", "paused") and can_transition("paused", "queued")
+    assert can_transition("pausing", "succeeded")  # (it finished before the pause reached it)
+    assert not can_transition("running", "paused") and not can_transition("paused", "running")
+    assert not can_transition("cancelling", "pausing")
 
 
 def test_invalid_transition_is_refused_not_applied(client, dataset: Path) -> None:  # type: ignore[no-untyped-def]
@@ -93,6 +99,37 @@ def test_runner_stops_peers_of_a_failed_process(tmp_path: Path) -> None:
     assert code == 7
     assert time.monotonic() - started < 10
     assert json.loads((tmp_path / EXIT_FILE).read_text())["exit_code"] == 7
+
+
+def test_runner_told_to_stop_before_its_workers_started_starts_no_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM reaches the runner once (then SIGKILL past the grace): one that came between two workers'
+    starts stops the rest from starting, and the run does not count as finished (status 0)."""
+    import os
+    import signal
+    import subprocess
+
+    import api.runner
+
+    started: list[object] = []
+    real_popen = subprocess.Popen
+
+    def popen(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        child = real_popen(*args, **kwargs)  # type: ignore[call-overload]
+        started.append(child)
+        os.kill(os.getpid(), signal.SIGTERM)  # (the runner's handler takes it)
+        return child
+
+    monkeypatch.setattr(api.runner.subprocess, "Popen", popen)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        code = run(tmp_path, 2, _script("import sys; sys.exit(0)"))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert len(started) == 1 and not (tmp_path / "worker-1.log").exists()
+    assert code == 128 + signal.SIGTERM
+    assert json.loads((tmp_path / EXIT_FILE).read_text())["exit_code"] == code
 
 
 def test_process_start_time_tells_pids_apart() -> None:

@@ -18,12 +18,14 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import event, update
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
+from api import jobs as service
 from api import tenants
 from api.main import create_app
 from api.models import Job, JobEvent, Tenant
 from api.settings import Settings
+from api.states import JobStatus
 from tests.test_auth import ADMIN, bearer, make_key
 
 FINAL = {"succeeded", "failed", "cancelled"}
@@ -257,7 +259,7 @@ def test_a_team_with_as_many_jobs_queued_as_it_may_is_refused_more(
     paused = app_client.post("/jobs", json=body(dataset), headers=research)
     assert paused.status_code == 429
     assert paused.json()["error"]["message"] == (
-        "Your team (research) may not queue new jobs now (its limit of queued jobs is 0); ask an admin to "
+        "Your team (research) may not queue jobs now (its limit of queued jobs is 0); ask an admin to "
         "raise it."
     )
     assert len(queued_ids(app_client, research)) == 2
@@ -563,3 +565,142 @@ def test_usage_reports_each_teams_chip_hours_and_tokens(app_client: TestClient, 
         assert refused.json()["error"]["code"] == code, refused.json()
     early = report(research, until="0001-01-02T00:00:00Z")  # (30 days before: the start of time)
     assert early["data"][0]["jobs"] == 0
+
+
+def replay(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, job_id: str, moves: list[tuple[str, float]]
+) -> None:
+    """Play a job's history through the code that writes it (api.jobs' moves, pause and resume; the
+    dispatcher's launch), each move at its time (hours ago): the clock of api.jobs is set to it, and the
+    events each move wrote are dated then."""
+    now = datetime.now(UTC)
+    with Session(engine) as session:
+        job = session.exec(select(Job).where(Job.id == job_id)).one()
+        assert job.seq is not None
+
+        def date(at: datetime) -> None:
+            """The events written since the last move (and the job's row, for its first), at `at`."""
+            written = update(JobEvent).where(col(JobEvent.job_seq) == job.seq, col(JobEvent.id) > last)
+            session.execute(written.values(created_at=at))
+            session.commit()
+
+        last = 0
+        created = now - timedelta(hours=moves[0][1] + 0.1)
+        session.execute(update(Job).where(col(Job.seq) == job.seq).values(created_at=created))
+        date(created)
+        for what, ago in moves:
+            at = now - timedelta(hours=ago)
+            last = max(session.exec(select(JobEvent.id).where(JobEvent.job_seq == job.seq)).all(), default=0)
+            monkeypatch.setattr(service, "utcnow", lambda at=at: at)
+            if what == "launch":  # the dispatcher's claim and launch (api.dispatcher: _claim, _launch)
+                assert service.transition(session, job, JobStatus.starting, "Checking the dataset.")
+                job.launch = {"pid": 1}
+                job.launched_at = job.admitted_at = at
+                service.add_event(session, job, "launch", "Workers started.", data={"executor": "local"})
+                session.add(job)
+                session.commit()
+            elif what == "pause":
+                service.request_pause(session, None, job_id)
+            elif what == "resume":
+                service.request_resume(session, None, job_id)
+            else:
+                assert service.transition(session, job, JobStatus(what))
+            date(at)
+
+
+def test_a_paused_job_is_charged_for_its_running_time_only(
+    app_client: TestClient, dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The usage report (GET /usage) and each job's own `usage` agree on a job paused and resumed: its
+    chips are counted while it runs and while it pauses (its workers save a checkpoint), not while it
+    waits paused or queued after."""
+    research, vision = bearer(make_key(app_client, "research")), bearer(make_key(app_client, "vision"))
+    engine = app_client.app.state.engine  # type: ignore[attr-defined]
+
+    def submit(key: dict[str, str], processes: int, moves: list[tuple[str, float]]) -> str:
+        job_id = str(app_client.post("/jobs", json=body(dataset, processes), headers=key).json()["id"])
+        replay(engine, monkeypatch, job_id, moves)
+        monkeypatch.undo()
+        return job_id
+
+    # Ran 2.1 h (paused 8 h ago: the pause took 0.1 h), paused 2.9 h, queued 0.1 h, ran 1 h more: 3.1 h.
+    resumed = [("launch", 10), ("running", 9.9), ("pause", 8), ("paused", 7.9), ("resume", 5)]
+    resumed += [("launch", 4.9), ("running", 4.8), ("succeeded", 3.9)]
+    # Ran 3 h and paused since 2.9 h ago (the pause took 0.1 h): 3.1 h.
+    still_paused = [("launch", 6), ("running", 5.9), ("pause", 3), ("paused", 2.9)]
+    # Paused before it started, resumed; ran 1 h, paused 1 h, runs again since 2 h ago: 3.05 h until now.
+    twice = [("pause", 7), ("resume", 6), ("launch", 5), ("running", 4.9), ("pause", 4), ("paused", 3.95)]
+    twice += [("resume", 3), ("launch", 2), ("running", 1.9)]
+    jobs = {
+        "resumed": submit(research, 2, resumed),
+        "still_paused": submit(research, 1, still_paused),
+        "twice": submit(vision, 1, twice),
+    }
+
+    def own(name: str) -> dict[str, Any]:
+        key = vision if name == "twice" else research
+        return dict(app_client.get(f"/jobs/{jobs[name]}", headers=key).json())
+
+    shown = {name: own(name) for name in jobs}
+    assert {name: (job["status"], job["pauses"]) for name, job in shown.items()} == {
+        "resumed": ("succeeded", 1),
+        "still_paused": ("paused", 1),
+        "twice": ("running", 2),
+    }
+    hour = 3600
+    assert shown["resumed"]["usage"]["held_seconds"] == pytest.approx(3.1 * hour, abs=1)
+    assert shown["resumed"]["usage"]["chip_hours"] == pytest.approx(6.2, abs=1e-3)
+    assert shown["still_paused"]["usage"]["held_seconds"] == pytest.approx(3.1 * hour, abs=1)
+    assert shown["twice"]["usage"]["held_seconds"] == pytest.approx(3.05 * hour, abs=60)
+
+    def report(**params: str) -> dict[str, dict[str, Any]]:
+        response = app_client.get("/usage", params=params, headers=bearer(ADMIN))
+        assert response.status_code == 200, response.text
+        return {row["tenant"]: row for row in response.json()["data"]}
+
+    rows = report()
+    assert rows["research"]["jobs"] == 2
+    assert rows["research"]["chip_hours"] == pytest.approx(6.2 + 3.1, abs=1e-3)
+    assert rows["vision"]["jobs"] == 1 and rows["vision"]["chip_hours"] == pytest.approx(3.05, abs=0.01)
+    # The report and the jobs' own figures agree.
+    assert rows["research"]["chip_hours"] == pytest.approx(
+        own("resumed")["usage"]["chip_hours"] + own("still_paused")["usage"]["chip_hours"], abs=1e-3
+    )
+    assert rows["vision"]["chip_hours"] == pytest.approx(own("twice")["usage"]["chip_hours"], abs=1e-3)
+
+    def window(since: float, until: float) -> dict[str, dict[str, Any]]:
+        now = datetime.now(UTC)
+        return report(
+            since=(now - timedelta(hours=since)).isoformat(), until=(now - timedelta(hours=until)).isoformat()
+        )
+
+    # While the first was paused (7.9 h to 5 h ago) and the third paused then queued (7 h to 5 h ago):
+    # only the second ran, from its launch 6 h ago.
+    rows = window(7.5, 5.5)
+    assert rows.keys() == {"research"} and rows["research"]["jobs"] == 1
+    assert rows["research"]["chip_hours"] == pytest.approx(0.5, abs=1e-3)
+    # Across the pauses: the first's pausing and 0.4 h of its second run (2 chips), the second's 1.5 h,
+    # the third's 0.5 h.
+    rows = window(8.5, 4.5)
+    assert rows["research"]["jobs"] == 2
+    assert rows["research"]["chip_hours"] == pytest.approx(2 * (0.6 + 0.4) + 1.5, abs=1e-3)
+    assert rows["vision"]["jobs"] == 1 and rows["vision"]["chip_hours"] == pytest.approx(0.5, abs=1e-3)
+    # The third while paused (4 h ago to 3 h ago, less the pause's 0.05 h): nothing.
+    assert "vision" not in window(3.9, 3.1)
+
+
+def test_a_job_held_by_kueue_then_paused_is_charged_as_its_own_usage_says(
+    app_client: TestClient, dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    research = bearer(make_key(app_client, "research"))
+    engine = app_client.app.state.engine  # type: ignore[attr-defined]
+    job_id = str(app_client.post("/jobs", json=body(dataset, 1), headers=research).json()["id"])
+    # Launched 6 h ago, held by Kueue 0.1 h later (it lets its chips go), paused while held: its JobSet
+    # deleted in the 0.1 h the pause took.
+    replay(engine, monkeypatch, job_id, [("launch", 6), ("queued", 5.9), ("pause", 5), ("paused", 4.9)])
+    monkeypatch.undo()
+    job = app_client.get(f"/jobs/{job_id}", headers=research).json()
+    assert job["status"] == "paused" and job["pauses"] == 1
+    assert job["usage"]["chip_hours"] == pytest.approx(0.1, abs=1e-3)
+    rows = {row["tenant"]: row for row in app_client.get("/usage", headers=research).json()["data"]}
+    assert rows["research"]["chip_hours"] == pytest.approx(job["usage"]["chip_hours"], abs=1e-3)

@@ -151,7 +151,7 @@ def test_a_batch_keeps_each_tenants_limit_on_queued_jobs(
         "Your team (alpha) has 4 jobs queued and may have 4: submit this one once some have started, or "
         "cancel some."
     }
-    assert refused(beta).startswith("Your team (beta) may not queue new jobs now")
+    assert refused(beta).startswith("Your team (beta) may not queue jobs now")
     again = outcomes[id(repeat)]
     assert isinstance(again, Outcome) and not again.created and again.job.name == "before-0"
     queued = "SELECT count(*) FROM jobs WHERE tenant = :t AND status = 'queued'"

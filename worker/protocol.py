@@ -5,7 +5,7 @@ The worker (process 0 only) sends `Authorization: Bearer <TPUTUNE_JOB_TOKEN>` an
 belongs to and the fields of its kind. The API stores each report once per (job, kind, step, key):
 a retried batch is harmless, so the worker retries a batch until it gets a 2xx, or a 4xx that says
 the batch can never succeed. The response is `{"accepted": n, "duplicates": m, "job_status": s}`;
-`job_status` lets the worker notice a cancel (`cancelling`) without a second call.
+`job_status` lets the worker notice a cancel (`cancelling`) or a pause (`pausing`) without a second call.
 
 Kinds:
 - `status`:     a phase change or message (`message`, optional `phase` in loading|compiling|training|

@@ -32,7 +32,8 @@ _KEPT_KINDS = ("result", "error")
 class Reporter:
     """Buffers reports and delivers them to the API from a background thread.
 
-    `cancel_requested` turns true once the API answers that the job is being cancelled.
+    `cancel_requested` turns true once the API answers that the job is being cancelled, `pause_requested`
+    once it answers that the job is being paused.
     A disabled reporter (processes other than 0) accepts reports and does nothing with them.
     """
 
@@ -67,6 +68,7 @@ class Reporter:
         self._wake = threading.Event()
         self._closing = threading.Event()
         self._cancel = threading.Event()
+        self._pause = threading.Event()
         self._thread: threading.Thread | None = None
         if self._url is not None:
             self._thread = threading.Thread(target=self._deliver, name="progress-reporter", daemon=True)
@@ -82,6 +84,10 @@ class Reporter:
     @property
     def cancel_requested(self) -> bool:
         return self._cancel.is_set()
+
+    @property
+    def pause_requested(self) -> bool:
+        return self._pause.is_set()
 
     @property
     def pending(self) -> int:
@@ -176,6 +182,8 @@ class Reporter:
                 status = None
             if status in ("cancelling", "cancelled"):
                 self._cancel.set()
+            elif status in ("pausing", "paused"):
+                self._pause.set()
             return True
         if response.status_code in (413, 422) and len(batch) > 1:
             if response.status_code == 413:

@@ -5,9 +5,10 @@ sharded over "fsdp" on their largest divisible dimension (small arrays are repli
 axes. Each process packs its own data shards and contributes its rows to the global batch.
 
 The host loop dispatches step k before it reads step k-1's metrics, so the devices never wait for Python.
-Stop requests (SIGTERM, a cancel from the API) ride along in each step's input and come back in its
+Stop requests (SIGTERM, a cancel or pause from the API) ride along in each step's input and come back in its
 metrics, so every process sees them at the same step and they all stop together, at most two steps after
-the request; the run then saves a checkpoint and exits (EXIT_PREEMPTED on SIGTERM, EXIT_OK on a cancel).
+the request; the run then saves a checkpoint and exits (EXIT_PREEMPTED on SIGTERM or a pause, EXIT_OK on a
+cancel).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ MESH_AXES = ("data", "fsdp")
 # Arrays smaller than this are replicated: sharding them saves little memory and costs a gather each.
 MIN_SHARDED_SIZE = 2**14
 # Stop codes carried through the train step; the larger wins when processes disagree.
-STOP_NONE, STOP_CANCEL, STOP_PREEMPT = 0, 1, 2
+STOP_NONE, STOP_CANCEL, STOP_PAUSE, STOP_PREEMPT = 0, 1, 2, 3
 # Cosine decay ends at this fraction of the peak learning rate.
 END_LR_FRACTION = 0.1
 
@@ -507,6 +508,9 @@ class _Run:
                     f"stopped at step {step} on SIGTERM; the checkpoint there resumes the run", step=step
                 )
                 return EXIT_PREEMPTED
+            if stop == STOP_PAUSE:  # (as a preemption: the run goes on from its checkpoint when resumed)
+                self.status(f"paused by the user at step {step}; resumed, it goes on from there", step=step)
+                return EXIT_PREEMPTED
             self.status(f"cancelled by the user at step {step}; a checkpoint was saved", step=step)
             return EXIT_OK
 
@@ -530,6 +534,8 @@ class _Run:
     def _stop_flags(self, sharding: NamedSharding) -> jax.Array:
         if self.signals.preempted.is_set():
             flag = STOP_PREEMPT
+        elif self.reporter.pause_requested:
+            flag = STOP_PAUSE
         elif self.reporter.cancel_requested:
             flag = STOP_CANCEL
         else:

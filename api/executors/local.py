@@ -158,17 +158,29 @@ class LocalExecutor:
             self.observe(job)  # reap our own child
             return True
         pgid = int(handle["pgid"])
-        started = self._cancel_started.setdefault(job.id, time.monotonic())
-        sig = (
-            signal.SIGTERM
-            if time.monotonic() - started < self.settings.cancel_grace_seconds
-            else signal.SIGKILL
-        )
+        # SIGTERM once (the workers save a checkpoint and exit), SIGKILL past the grace. Not SIGTERM on every
+        # pass: one that reached a worker as Python was ending, its handler gone, killed it (status 143).
+        started = self._cancel_started.get(job.id)
+        if started is None:
+            self._cancel_started[job.id] = time.monotonic()
+            sig = signal.SIGTERM
+        elif time.monotonic() - started >= self.settings.cancel_grace_seconds:
+            sig = signal.SIGKILL
+        else:
+            return False
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:
             return True
         return False
+
+    def discard(self, job: Job) -> None:
+        """Forget a run that no longer goes (paused, or cancelled before its launch was recorded): its
+        runner's and exit status's records, so that the job's next launch starts a run instead of adopting
+        the one that ended (`find`). Its log, config and checkpoints stay."""
+        job_dir = self.job_dir(job)
+        for record in (EXIT_FILE, RUNNER_FILE):
+            (job_dir / record).unlink(missing_ok=True)
 
     def logs(self, job: Job, tail: int) -> tuple[list[str], bool]:
         path = self.job_dir(job) / LOG_FILE

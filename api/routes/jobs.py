@@ -21,6 +21,7 @@ from api.deps import (
     ExecutorDep,
     PrincipalDep,
     SessionDep,
+    SettingsDep,
     TenantDep,
     caller,
     json_response,
@@ -301,9 +302,59 @@ _RENDERED_MAX = 4096
 def cancel_job(
     job_id: str, session: SessionDep, principal: PrincipalDep, dispatcher: DispatcherDep
 ) -> Response:
-    """A queued job is cancelled at once; a running one goes to `cancelling` until its workers stop. Its
+    """A queued or paused job is cancelled at once; a running one goes to `cancelling` until its workers
+    stop. Its
     status message and event say who asked (a key's id, or the admin)."""
     job = service.request_cancel(session, principal.scope, job_id, principal.who)
+    if dispatcher is not None:
+        dispatcher.wake()
+    return json_response(JobPublic.of(job))
+
+
+@router.post(
+    "/{job_id}/pause",
+    response_model=JobPublic,
+    summary="Pause a job",
+    responses={
+        **_errors,
+        409: {"model": ErrorResponse, "description": "The job finished, or is being cancelled."},
+    },
+)
+def pause_job(
+    job_id: str, session: SessionDep, principal: PrincipalDep, dispatcher: DispatcherDep
+) -> Response:
+    """Stop the job's workers and let its chips go, keeping what it has done: a queued job is paused at
+    once; a starting or running one goes to `pausing` while its workers save a checkpoint and stop (its
+    JobSet deleted, or its processes ended), then `paused`. It holds no chips while paused (its `usage`
+    stands still) and stays so until resumed. Pausing a job that is pausing or paused changes nothing."""
+    job = service.request_pause(session, principal.scope, job_id, principal.who)
+    if dispatcher is not None:
+        dispatcher.wake()
+    return json_response(JobPublic.of(job))
+
+
+@router.post(
+    "/{job_id}/resume",
+    response_model=JobPublic,
+    summary="Resume a paused job",
+    responses={
+        **_errors,
+        409: {"model": ErrorResponse, "description": "The job is not paused (it is pausing, or finished)."},
+        429: {"model": ErrorResponse, "description": "The team has as many jobs queued as it may."},
+    },
+)
+def resume_job(
+    job_id: str,
+    session: SessionDep,
+    principal: PrincipalDep,
+    dispatcher: DispatcherDep,
+    settings: SettingsDep,
+) -> Response:
+    """Queue a paused job again: it waits its turn (and its team's limits) as a new job does, then its
+    workers start and continue from its last checkpoint (its step, optimizer state and data position). A
+    team at its limit of queued jobs gets 429, as for a new job. Resuming a job that is queued or running
+    changes nothing."""
+    job = service.request_resume(session, principal.scope, job_id, principal.who, settings)
     if dispatcher is not None:
         dispatcher.wake()
     return json_response(JobPublic.of(job))
@@ -512,7 +563,8 @@ def job_logs(
             stream,
             media_type="text/plain; charset=utf-8",
         )
-    lines, truncated = executor.logs(job, tail) if job.launched_at is not None else ([], False)
+    ran = job.launched_at is not None or job.pauses > 0  # (a resumed job's last run, until it runs again)
+    lines, truncated = executor.logs(job, tail) if ran else ([], False)
     return json_response(LogsResponse(job_id=job.id, lines=lines, truncated=truncated))
 
 

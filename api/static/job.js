@@ -20,6 +20,9 @@ const TIMELINE_TYPES = [
   "status", "launch", "eval", "checkpoint", "sample", "result", "restart", "warning", "error",
 ];
 const REFRESH_MS = 1000;
+// Pause stops a job that may still run; resume queues a paused one again. (Cancel: any unfinished job.)
+const PAUSABLE = new Set(["queued", "starting", "running"]);
+const PAUSED_OR_PAUSING = new Set(["pausing", "paused"]);
 
 const chart = new LineChart(
   $("loss-chart"),
@@ -37,6 +40,8 @@ function setStatus(status) {
   $("status").textContent = status;
   $("status").dataset.status = status;
   $("cancel").disabled = FINAL_STATUSES.has(status) || status === "cancelling";
+  $("pause").disabled = !PAUSABLE.has(status);
+  $("resume").disabled = status !== "paused";
 }
 
 function showJob(next) {
@@ -53,7 +58,9 @@ function showJob(next) {
   const { step, total_steps: total, fraction, eta_seconds: eta } = job.progress;
   setProgress($("progress"), job);
   let progress = total ? `Step ${step} of ${total} (${percent(fraction)})` : `Step ${step}`;
-  if (eta > 0 && !FINAL_STATUSES.has(job.status)) progress += ` · about ${formatDuration(eta)} left`;
+  // (no time left to show once it ended, or while it is paused: it stands still)
+  const moving = !FINAL_STATUSES.has(job.status) && !PAUSED_OR_PAUSING.has(job.status);
+  if (eta > 0 && moving) progress += ` · about ${formatDuration(eta)} left`;
   $("progress-text").textContent = progress;
 
   $("f-model").textContent = job.model;
@@ -67,6 +74,7 @@ function showJob(next) {
   $("f-tokens").textContent = formatInteger(job.trained_tokens);
   $("f-restarts").textContent = String(job.restarts);
   $("f-preemptions").textContent = String(job.preemptions);
+  $("f-pauses").textContent = String(job.pauses ?? 0);
   $("f-chip-hours").textContent = formatUsage(job.usage);
   $("f-created").textContent = formatDate(job.created_at);
   $("f-started").textContent = formatDate(job.started_at);
@@ -262,6 +270,7 @@ $("cancel").addEventListener("click", async () => {
   if (!confirm(`Cancel job ${job.name}? A running job stops its workers.`)) return;
   $("cancel").disabled = true;
   $("cancel-error").hidden = true;
+  $("action-error").hidden = true;
   try {
     showJob(await api(`${base}/cancel`, { method: "POST" }));
   } catch (error) {
@@ -270,6 +279,22 @@ $("cancel").addEventListener("click", async () => {
     loadJob().catch(showLoadError);
   }
 });
+
+// Pause and resume: no confirmation (each undoes the other); a refusal shows the API's sentence.
+for (const action of ["pause", "resume"]) {
+  $(action).addEventListener("click", async () => {
+    $(action).disabled = true;
+    $("action-error").hidden = true;
+    $("cancel-error").hidden = true;
+    try {
+      showJob(await api(`${base}/${action}`, { method: "POST" }));
+    } catch (error) {
+      $("action-error").textContent = error.message;
+      $("action-error").hidden = false;
+      loadJob().catch(showLoadError);
+    }
+  });
+}
 
 $("logs").addEventListener("toggle", async () => {
   if (!$("logs").open) return;

@@ -62,10 +62,15 @@ class Recorder(Reporter):
         self.reports: list[Report] = []
         self.on_report = on_report
         self.cancel = False
+        self.pause = False
 
     @property
     def cancel_requested(self) -> bool:
         return self.cancel
+
+    @property
+    def pause_requested(self) -> bool:
+        return self.pause
 
     def send(self, report: Report) -> None:
         self.reports.append(report)

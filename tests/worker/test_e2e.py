@@ -114,6 +114,34 @@ def test_cancel_stops_the_real_worker_with_a_checkpoint(  # type: ignore[no-unty
     assert list((Path(job["output_uri"]) / "checkpoints").iterdir())  # it saved its state on the way out
 
 
+def test_pause_and_resume_the_real_worker_loses_no_step(  # type: ignore[no-untyped-def]
+    worker_api, story_corpus: Path, tiny_tokenizer_path: Path
+) -> None:
+    api = worker_api()
+    job_id = submit(api, story_corpus, tiny_tokenizer_path, steps=300)
+    api.wait_for(job_id, lambda j: j["progress"]["step"] >= 3, timeout=240)
+    with api.client() as http:
+        assert http.post(f"/jobs/{job_id}/pause").json()["status"] == "pausing"
+    paused = api.wait_for(job_id, lambda j: j["status"] in ("paused", *FINAL), timeout=120)
+    assert paused["status"] == "paused", paused
+    saved = sorted(int(p.name) for p in (Path(paused["output_uri"]) / "checkpoints").iterdir())
+    assert saved and saved[-1] >= 3  # it saved its state on the way out
+    with api.client() as http:
+        assert http.post(f"/jobs/{job_id}/resume").json()["status"] == "queued"
+    job = api.wait_for(job_id, lambda j: j["status"] in FINAL, timeout=240)
+    assert job["status"] == "succeeded", job
+    total = job["progress"]["total_steps"]  # (300, or fewer if the data runs out first)
+    assert job["pauses"] == 1 and job["restarts"] == 0 and job["progress"]["step"] == total > saved[-1]
+    with api.client() as http:
+        points = http.get(f"/jobs/{job_id}/metrics").json()["data"]
+        statuses = http.get(f"/jobs/{job_id}/events", params={"type": "status", "limit": 1000}).json()["data"]
+    assert [p["step"] for p in points if p["loss"] is not None] == list(
+        range(1, total + 1)
+    )  # each step, once
+    # The second run went on from the checkpoint the pause left, not from the start.
+    assert f"resumed from the checkpoint at step {saved[-1]}" in [e["message"] for e in statuses]
+
+
 @pytest.mark.timeout(600)  # two processes each import gemma and compile: minutes on a busy 2-core machine
 def test_two_local_processes(worker_api, story_corpus: Path, tiny_tokenizer_path: Path) -> None:  # type: ignore[no-untyped-def]
     api = worker_api()

@@ -171,6 +171,21 @@ def test_a_cancelling_job_raises_the_cancel_flag(api: ProgressApi) -> None:
     sender.close(timeout=5)
 
 
+def test_a_pausing_job_raises_the_pause_flag(api: ProgressApi) -> None:
+    api.start()
+    api.job_status = "pausing"
+    sender = reporter(api)
+    assert not sender.pause_requested
+
+    sender.send(StatusReport(message="training", phase="training"))
+    deadline = time.monotonic() + 10
+    while not sender.pause_requested and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+    assert sender.pause_requested and not sender.cancel_requested
+    sender.close(timeout=5)
+
+
 def test_a_batch_the_api_refuses_for_good_is_not_retried(api: ProgressApi) -> None:
     api.start()
     api.status_code = 422

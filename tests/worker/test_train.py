@@ -15,7 +15,7 @@ from tests.worker.helpers import TEST_OPTIONS, Recorder, compile_cache, losses, 
 from worker import model as gemma
 from worker import train
 from worker.checkpoint import export_params
-from worker.config import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
+from worker.config import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED
 from worker.data import TrainData, read_documents
 from worker.stories import write_txt
 from worker.tokenizer import Tokenizer
@@ -234,6 +234,32 @@ def test_bad_data_fails_before_compiling(tmp_path: Path, tiny_tokenizer_path: Pa
     (error,) = recorder.of_kind("error")
     assert error.code == "dataset_not_found" and "missing.txt" in error.message
     assert not [s for s in recorder.of_kind("status") if s.phase == "compiling"]
+
+
+def test_a_pause_from_the_api_stops_with_a_checkpoint_the_next_run_goes_on_from(
+    tmp_path: Path, story_corpus: Path, tiny_tokenizer_path: Path
+) -> None:
+    def pause_at_step_3(report: object) -> None:
+        if getattr(report, "kind", None) == "metrics" and getattr(report, "step", 0) == 3:
+            paused.pause = True
+
+    paused = Recorder(pause_at_step_3)
+    config = tiny_config(tmp_path, story_corpus, tiny_tokenizer_path)
+
+    # As a preemption: the run is to go on later, from the checkpoint.
+    assert train.run(config, paused, TEST_OPTIONS) == EXIT_PREEMPTED
+    (checkpoint,) = paused.of_kind("checkpoint")
+    assert 4 <= checkpoint.step <= 6 and max(losses(paused.reports)) == checkpoint.step
+    assert "paused by the user" in paused.of_kind("status")[-1].message
+    assert not paused.of_kind("result")
+
+    resumed = Recorder()
+    assert train.run(config, resumed, TEST_OPTIONS) == EXIT_OK
+    assert f"resumed from the checkpoint at step {checkpoint.step}" in [
+        s.message for s in resumed.of_kind("status")
+    ]
+    steps = sorted(losses(resumed.reports))
+    assert steps[0] == checkpoint.step + 1 and resumed.of_kind("result")
 
 
 def test_a_cancel_from_the_api_stops_after_a_checkpoint(
