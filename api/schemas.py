@@ -103,7 +103,10 @@ class JobPublic(BaseModel):
     object: str = "fine_tuning.job"
     tenant: str = Field(description="The tenant (team) the job belongs to: its API key's.")
     name: str
-    status: str
+    status: str = Field(
+        description="queued, starting, running, succeeded, failed or cancelled; cancelling while its "
+        "workers stop, pausing and paused for a job paused (POST /jobs/{id}/pause) until resumed."
+    )
     status_message: str | None
     model: str
     method: str

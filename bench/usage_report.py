@@ -136,7 +136,7 @@ def history(seq: int, job: dict[str, Any]) -> list[dict[str, Any]]:
             {"job_seq": seq, "created_at": at, "type": "metrics", "level": "info", "message": "",
              "step": step, "data": {"loss": 2.0}, "dedupe_key": f"metrics:{step}:"}
         )  # fmt: skip
-    return events
+    return sorted(events, key=lambda event: event["created_at"])  # (ids in the order they were written)
 
 
 def timed(client: TestClient, rounds: int, **params: str) -> tuple[float, dict[str, Any]]:
@@ -174,6 +174,7 @@ def measure(url: str, jobs: int, rounds: int, workdir: Path) -> dict[str, Any]:
         began = time.monotonic()
         upgrade(url, revision)
         migrated_s[revision] = time.monotonic() - began
+    upgrade(url)  # (and the later ones, to this version's head)
     with TestClient(create_app(settings)) as client:
         _, again = timed(client, 1, since=every["since"], until=every["until"])
         # Each job's own chip-hours against the report over all time (from before the first job).
@@ -186,6 +187,8 @@ def measure(url: str, jobs: int, rounds: int, workdir: Path) -> dict[str, Any]:
         raise SystemExit(f"migration 0009's held_seconds differ from the API's by up to {worst} s")
     reported = sum(row["chip_hours"] for row in ever["data"])
     own = sum(job_chip_hours(url).values())
+    if abs(reported - own) > 1e-5 * own + 0.01:  # (each figure rounded as the API shows it)
+        raise SystemExit(f"over all time the report counts {reported} chip-hours, the jobs' own {own}")
     return {
         "jobs": jobs,
         "seed_s": round(seeded, 1),

@@ -592,18 +592,19 @@ def replay(
             at = now - timedelta(hours=ago)
             last = max(session.exec(select(JobEvent.id).where(JobEvent.job_seq == job.seq)).all(), default=0)
             monkeypatch.setattr(service, "utcnow", lambda at=at: at)
-            if what == "launch":  # the dispatcher's claim and launch (api.dispatcher: _claim, _launch)
+            if what in ("launch", "claim"):  # the dispatcher's claim (api.dispatcher: _claim)
                 assert service.transition(session, job, JobStatus.starting, "Checking the dataset.")
+            if what in ("launch", "launched"):  # and its launch (_launch): at once, or once storage answers
                 job.launch = {"pid": 1}
                 job.launched_at = job.admitted_at = at
                 service.add_event(session, job, "launch", "Workers started.", data={"executor": "local"})
                 session.add(job)
                 session.commit()
-            elif what == "pause":
+            if what == "pause":
                 service.request_pause(session, None, job_id)
             elif what == "resume":
                 service.request_resume(session, None, job_id)
-            else:
+            elif what not in ("launch", "claim", "launched"):
                 assert service.transition(session, job, JobStatus(what))
             date(at)
 
@@ -687,6 +688,24 @@ def test_a_paused_job_is_charged_for_its_running_time_only(
     assert rows["vision"]["jobs"] == 1 and rows["vision"]["chip_hours"] == pytest.approx(0.5, abs=1e-3)
     # The third while paused (4 h ago to 3 h ago, less the pause's 0.05 h): nothing.
     assert "vision" not in window(3.9, 3.1)
+
+
+def test_a_preempted_job_is_charged_from_its_launch_not_its_claim(
+    app_client: TestClient, dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job whose dataset check waited (storage away) holds nothing until it is launched: the report reads
+    a preempted job's moves, and its launch, as the job's own `usage` does."""
+    research = bearer(make_key(app_client, "research"))
+    engine = app_client.app.state.engine  # type: ignore[attr-defined]
+    job_id = str(app_client.post("/jobs", json=body(dataset, 1), headers=research).json()["id"])
+    # Claimed 10 h ago, launched an hour later; preempted after 1 h, let run again an hour later; 1 h more.
+    moves = [("claim", 10), ("launched", 9), ("running", 8.9), ("queued", 8), ("starting", 7)]
+    replay(engine, monkeypatch, job_id, [*moves, ("running", 6.9), ("succeeded", 6)])
+    monkeypatch.undo()
+    job = app_client.get(f"/jobs/{job_id}", headers=research).json()
+    assert job["preemptions"] == 1 and job["usage"]["held_seconds"] == pytest.approx(2 * 3600, abs=1)
+    rows = app_client.get("/usage", headers=bearer(ADMIN)).json()["data"]
+    assert [(row["tenant"], row["chip_hours"]) for row in rows] == [("research", pytest.approx(2, abs=1e-3))]
 
 
 def test_a_job_held_by_kueue_then_paused_is_charged_as_its_own_usage_says(
