@@ -175,6 +175,26 @@ def test_pause_stops_the_workers_and_resume_goes_on_from_the_checkpoint(  # type
     assert job["usage"]["held_seconds"] == pytest.approx(held.total_seconds(), abs=0.05)
 
 
+def test_a_pause_outlives_an_api_restart_and_a_worker_that_will_not_stop(  # type: ignore[no-untyped-def]
+    live_api, dataset: Path
+) -> None:
+    """The API (and its dispatcher) goes away while a job is pausing, its worker deaf to SIGTERM: the next
+    one stops the run all the same (SIGKILL past the grace), and the job ends paused with nothing left."""
+    api = live_api(cancel_grace_seconds=1.0)
+    job_id = submit(api, dataset, "hang")
+    api.wait_for(job_id, lambda j: j["status"] == "running")
+    pid = _runner_pid(api, job_id)
+    with api.client() as http:
+        assert http.post(f"/jobs/{job_id}/pause").json()["status"] == "pausing"
+    api.restart()
+    assert not _gone(pid)  # (it ignored the SIGTERM)
+    job = api.wait_for(job_id, lambda j: j["status"] != "pausing", timeout=20)
+    assert job["status"] == "paused" and job["pauses"] == 1, job
+    assert _gone(pid)
+    with api.client() as http:
+        assert http.post(f"/jobs/{job_id}/cancel").json()["status"] == "cancelled"
+
+
 def test_cancel_hanging_worker_kills_after_grace(live_api, dataset: Path) -> None:  # type: ignore[no-untyped-def]
     api = live_api(cancel_grace_seconds=1.0)
     job_id = submit(api, dataset, "hang")
