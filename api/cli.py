@@ -139,7 +139,8 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
             spec = yaml.safe_load(text) or {}
         else:
             spec = json.loads(text)
-    for key, value in (("name", args.name), ("model", args.model), ("dataset_uri", args.dataset)):
+    named = [("name", args.name), ("model", args.model), ("dataset_uri", args.dataset)]
+    for key, value in [*named, ("from_job", args.from_job)]:
         if value is not None:
             spec[key] = value
     if args.method:
@@ -472,6 +473,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--name")
     p.add_argument("--model")
     p.add_argument("--dataset", help="dataset URI (gs://… or an absolute path)")
+    p.add_argument("--from-job", help="start from the weights of an earlier job of your team that succeeded")
     p.add_argument("--method", choices=["full", "lora"])
     p.add_argument("--lora-rank", type=int)
     p.add_argument("--epochs", type=int)

@@ -467,6 +467,46 @@ def _taken_keys(connection: Connection, keyed: Sequence[NewJob]) -> dict[tuple[s
     return {(row.tenant, row.key): (row.request_hash, row.job_id) for row in connection.execute(statement)}
 
 
+def resolve_from_job[SpecT: JobSpec](spec: SpecT, source: Any | None) -> SpecT:
+    """`spec` starting from the final weights of the job its `from_job` names (`source`: that job's row,
+    read within the caller's tenant, or None): its export as `base_checkpoint_uri`, its tokenizer unless
+    the spec names one. ApiError 422 (param `from_job`) when it cannot start from it."""
+    job_id = spec.from_job
+
+    def refuse(code: str, why: str) -> ApiError:
+        return ApiError(422, code, f"from_job: {why}", param="from_job")
+
+    if spec.base_checkpoint_uri is not None:
+        raise refuse(
+            "conflicting_fields",
+            "a job starts from another job's weights or from base_checkpoint_uri, not both; leave one out.",
+        )
+    if source is None:
+        raise refuse("from_job_not_found", f"there is no job {job_id} of your team.")
+    if source.status != JobStatus.succeeded:
+        raise refuse(
+            "from_job_not_succeeded",
+            f"job {job_id} is {source.status}; a job can start only from one that succeeded (its final "
+            "weights).",
+        )
+    if source.model != spec.model:
+        raise refuse(
+            "from_job_model_mismatch",
+            f"job {job_id} fine-tuned {source.model}, not {spec.model}; use the same model.",
+        )
+    made = JobSpec.model_validate(source.spec)
+    if made.method.type == "lora" and not made.method.export_merged:
+        raise refuse(
+            "from_job_not_merged",
+            f"job {job_id} exported a LoRA adapter only; a job starts from full weights (run it with "
+            "method.export_merged: true, or start from the same base and train a new adapter).",
+        )
+    update: dict[str, Any] = {"base_checkpoint_uri": f"{source.output_uri.rstrip('/')}/final/params"}
+    if spec.tokenizer_uri is None:
+        update["tokenizer_uri"] = made.tokenizer_uri
+    return spec.model_copy(update=update)
+
+
 def _key_reused() -> ApiError:
     return ApiError(
         409,

@@ -373,6 +373,55 @@ def test_resume_keeps_to_the_teams_limit_on_queued_jobs(
         assert client.post(f"/jobs/{first}/resume").json()["status"] == "queued"
 
 
+def _finish(client: TestClient, job_id: str, status: str = "succeeded") -> None:
+    from sqlalchemy import update
+    from sqlmodel import Session, col
+
+    from api.models import Job
+
+    with Session(client.app.state.engine) as session:  # type: ignore[attr-defined]
+        session.execute(update(Job).where(col(Job.id) == job_id).values(status=status))
+        session.commit()
+
+
+def test_a_job_starts_from_the_weights_of_one_that_succeeded(client: TestClient, dataset: Path) -> None:
+    tokenizer = dataset.parent / "tokenizer.model"
+    first = client.post("/jobs", json=job_body(dataset, tokenizer_uri=str(tokenizer))).json()
+
+    def submit(**overrides: object) -> Any:
+        return client.post("/jobs", json=job_body(dataset, from_job=first["id"], **overrides))
+
+    # Not before it succeeded.
+    early = submit()
+    assert early.status_code == 422, early.text
+    assert early.json()["error"]["code"] == "from_job_not_succeeded"
+    assert early.json()["error"]["param"] == "from_job" and "is queued" in early.json()["error"]["message"]
+    _finish(client, first["id"])
+    made = submit()
+    assert made.status_code == 201, made.text
+    spec = made.json()["spec"]
+    assert spec["from_job"] == first["id"]
+    assert spec["base_checkpoint_uri"] == f"{first['output_uri']}/final/params"
+    assert spec["tokenizer_uri"] == str(tokenizer)  # (its tokenizer, unless the job names one)
+    assert client.get(f"/jobs/{made.json()['id']}").json()["spec"] == spec
+    own = submit(tokenizer_uri=str(dataset.parent / "other.model")).json()["spec"]
+    assert own["tokenizer_uri"] == str(dataset.parent / "other.model")
+
+    lora = client.post(
+        "/jobs", json=job_body(dataset, method={"type": "lora"}, tokenizer_uri=str(tokenizer))
+    ).json()
+    _finish(client, lora["id"])
+    for overrides, code in [
+        ({"from_job": "ft-nowhere"}, "from_job_not_found"),
+        ({"from_job": lora["id"]}, "from_job_not_merged"),
+        ({"model": "gemma3-1b-pt"}, "from_job_model_mismatch"),
+        ({"base_checkpoint_uri": str(dataset.parent / "ckpt")}, "conflicting_fields"),
+    ]:
+        refused = client.post("/jobs", json=job_body(dataset, **{"from_job": first["id"], **overrides}))
+        assert refused.status_code == 422, (overrides, refused.text)
+        assert refused.json()["error"]["code"] == code and refused.json()["error"]["param"] == "from_job"
+
+
 def test_health(client: TestClient) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").json() == {"status": "ok"}

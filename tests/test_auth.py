@@ -123,6 +123,9 @@ def test_tenants_are_isolated(auth_client: TestClient, dataset: Path) -> None:
         response = auth_client.request(method, path, headers=bearer(beta))
         assert response.status_code == 404 and response.json()["error"]["code"] == "job_not_found"
     assert auth_client.get(f"/jobs/{job_id}", headers=bearer(alpha)).json()["status"] == "queued"
+    # Nor can beta start from its weights: the same answer as for a job that exists nowhere.
+    stolen = auth_client.post("/jobs", json={**job(dataset), "from_job": job_id}, headers=bearer(beta))
+    assert stolen.status_code == 422 and stolen.json()["error"]["code"] == "from_job_not_found"
     assert auth_client.get("/jobs", headers=bearer(beta)).json()["data"] == []
     assert [j["id"] for j in auth_client.get("/jobs", headers=bearer(alpha)).json()["data"]] == [job_id]
     # Nor is it a cursor for beta's list: the same answer as for an id that exists nowhere.

@@ -60,6 +60,13 @@ def test_submit_follow_status_events_checkpoints(live_api, dataset: Path, capsys
     assert "step       8" in out and "final.json" in out
     code, out, _ = run(api, capsys, "logs", job_id)
     assert "fake worker" in out
+    # Another from its weights; the API's sentence when it cannot.
+    code, out, _ = run(api, capsys, "submit", str(spec), "--from-job", job_id)
+    more = api.client().get(f"/jobs/{out.split()[1]}").json()
+    assert code == 0 and more["spec"]["from_job"] == job_id
+    assert more["spec"]["base_checkpoint_uri"] == f"{job['output_uri']}/final/params"
+    code, _, err = run(api, capsys, "submit", str(spec), "--from-job", "ft-nowhere")
+    assert code == 3 and "there is no job ft-nowhere of your team. (from_job_not_found)" in err
 
 
 def test_watch_exit_codes_and_cancel(live_api, dataset: Path, capsys) -> None:  # type: ignore[no-untyped-def]

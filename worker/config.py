@@ -182,6 +182,12 @@ class JobSpec(_Strict):
     tokenizer_uri: Uri | None = Field(
         default=None, description="SentencePiece model; default the official Gemma 3 tokenizer."
     )
+    from_job: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9-]+$")] | None = Field(
+        default=None,
+        description="Start from the weights of an earlier job of your team that succeeded (its id): its "
+        "final export becomes `base_checkpoint_uri`, and its tokenizer the default. Same model; a LoRA "
+        "job's export needs `method.export_merged`.",
+    )
     method: Method = Field(default_factory=Method)
     dataset_uri: Uri = Field(
         description="`gs://bucket/path` or an absolute local path (.txt, .jsonl, .parquet)."

@@ -156,6 +156,10 @@ async def create_job(request: Request) -> Response:
     # On the event loop: the checks are CPU work (and a kernel lookup of local paths); the write waits for
     # the job writer (api.writer), which stores the jobs of concurrent requests in one transaction (on the
     # loop too, but for jobs with an Idempotency-Key or a SQLite write lock held long by another writer).
+    if spec.from_job is not None:  # (its weights, from a job of the same tenant's)
+        engine = request.app.state.engine
+        source = await anyio.to_thread.run_sync(service.read_job_row, engine, tenant, spec.from_job)
+        spec = service.resolve_from_job(spec, source)
     limits = await request.app.state.tenant_limits.of(tenant)  # (cached; read every few seconds)
     new = service.prepare_job(spec, request.app.state.settings, tenant, idempotency_key, limits)
     outcome = await request.app.state.job_writer.create(new)

@@ -84,6 +84,20 @@ def test_real_worker_job_succeeds_with_history_and_checkpoints(  # type: ignore[
     assert {s["data"]["phase"] for s in samples} == {"before", "after"}
     assert (Path(job["output_uri"]) / "final").exists()
 
+    # Another job starts from its weights (its tokenizer too): its loss starts where this one's ended.
+    body = {"name": "more", "model": "tiny", "dataset_uri": str(story_corpus), "from_job": job_id}
+    body["hyperparameters"] = {"max_steps": 3, "batch_size": 8, "max_seq_len": 64, "learning_rate": 1e-4}
+    with api.client() as http:
+        created = http.post("/jobs", json=body)
+    assert created.status_code == 201, created.text
+    assert created.json()["spec"]["tokenizer_uri"] == str(tiny_tokenizer_path)
+    more = api.wait_for(created.json()["id"], lambda j: j["status"] in FINAL, timeout=280)
+    assert more["status"] == "succeeded", more
+    with api.client() as http:
+        went_on = http.get(f"/jobs/{more['id']}/metrics").json()["data"]
+    first_loss = next(p["loss"] for p in went_on if p["loss"] is not None)
+    assert first_loss < trained[0]["loss"] - 0.5 * (trained[0]["loss"] - trained[-1]["loss"])
+
 
 def test_training_survives_the_api_being_down(  # type: ignore[no-untyped-def]
     worker_api, story_corpus: Path, tiny_tokenizer_path: Path
