@@ -476,11 +476,6 @@ def resolve_from_job[SpecT: JobSpec](spec: SpecT, source: Any | None) -> SpecT:
     def refuse(code: str, why: str) -> ApiError:
         return ApiError(422, code, f"from_job: {why}", param="from_job")
 
-    if spec.base_checkpoint_uri is not None:
-        raise refuse(
-            "conflicting_fields",
-            "a job starts from another job's weights or from base_checkpoint_uri, not both; leave one out.",
-        )
     if source is None:
         raise refuse("from_job_not_found", f"there is no job {job_id} of your team.")
     if source.status != JobStatus.succeeded:
@@ -501,7 +496,13 @@ def resolve_from_job[SpecT: JobSpec](spec: SpecT, source: Any | None) -> SpecT:
             f"job {job_id} exported a LoRA adapter only; a job starts from full weights (run it with "
             "method.export_merged: true, or start from the same base and train a new adapter).",
         )
-    update: dict[str, Any] = {"base_checkpoint_uri": f"{source.output_uri.rstrip('/')}/final/params"}
+    export = f"{source.output_uri.rstrip('/')}/final/params"
+    if spec.base_checkpoint_uri not in (None, export):  # (a job's spec as shown, posted again: the same)
+        raise refuse(
+            "conflicting_fields",
+            "a job starts from another job's weights or from base_checkpoint_uri, not both; leave one out.",
+        )
+    update: dict[str, Any] = {"base_checkpoint_uri": export}
     if spec.tokenizer_uri is None:
         update["tokenizer_uri"] = made.tokenizer_uri
     return spec.model_copy(update=update)

@@ -286,5 +286,10 @@ class Settings(BaseSettings):
     def jobs_dir(self) -> Path:
         return self.data_dir / "jobs"
 
+    @cached_property
+    def jobs_root(self) -> Path:
+        """`jobs_dir` as the checks of users' paths compare it (api.validation)."""
+        return self.jobs_dir.expanduser().resolve()
+
     def ensure_dirs(self) -> None:
         self.jobs_dir.mkdir(parents=True, exist_ok=True)

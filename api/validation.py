@@ -16,7 +16,10 @@ from worker.config import TINY_MODEL, JobSpec, Resources
 
 
 def _under_roots(path: str, roots: list[Path]) -> bool:
-    real = real_path(path)
+    return _within(real_path(path), roots)
+
+
+def _within(real: str, roots: list[Path]) -> bool:
     return any(real == str(root) or real.startswith(os.path.join(root, "")) for root in roots)
 
 
@@ -75,13 +78,26 @@ def check_local_paths(spec: JobSpec, settings: Settings) -> None:
                 f"{field}: {uri} is a local path, which TPU pods cannot see; use a gs://bucket/path URI.",
                 param=field,
             )
-        if not _under_roots(uri, roots):
+        real = real_path(uri)
+        if not _within(real, roots):
             allowed = ", ".join(str(r) for r in roots)
             raise ApiError(
                 422,
                 "path_not_allowed",
                 f"{field}: the local path {uri} is outside the allowed data roots ({allowed}); "
                 "move the file under one of them, or add its directory to TPUTUNE_ALLOWED_DATA_ROOTS.",
+                param=field,
+            )
+        # The jobs' own directories (under the data dir) hold every team's runs and weights: a job reads
+        # another's only as `from_job`, whose team the server checked (api.jobs.resolve_from_job).
+        own_export = field == "base_checkpoint_uri" and spec.from_job is not None
+        if not own_export and _within(real, [settings.jobs_root]):
+            raise ApiError(
+                422,
+                "path_not_allowed",
+                f"{field}: {uri} is inside the server's job directories ({settings.jobs_dir}), which hold "
+                "every team's runs; to start from a job's weights use from_job, else move the file under "
+                "an allowed data root.",
                 param=field,
             )
 

@@ -406,6 +406,21 @@ def test_a_job_starts_from_the_weights_of_one_that_succeeded(client: TestClient,
     assert client.get(f"/jobs/{made.json()['id']}").json()["spec"] == spec
     own = submit(tokenizer_uri=str(dataset.parent / "other.model")).json()["spec"]
     assert own["tokenizer_uri"] == str(dataset.parent / "other.model")
+    # The spec as shown, posted again, is accepted (its weights named as the server named them).
+    again = client.post("/jobs", json={k: v for k, v in spec.items() if v is not None})
+    assert again.status_code == 201, again.text
+    assert again.json()["spec"]["base_checkpoint_uri"] == spec["base_checkpoint_uri"]
+    # A job's directory is not a path a user may name: its weights only through from_job (its team's).
+    export = f"{first['output_uri']}/final/params"
+    for field, path in [
+        ("base_checkpoint_uri", export),
+        ("dataset_uri", f"{first['output_uri']}/x.txt"),
+        ("output_uri", first["output_uri"]),  # (it would write over that job's checkpoints)
+    ]:
+        named = client.post("/jobs", json=job_body(dataset, **{field: path}))
+        assert named.status_code == 422, named.text
+        assert named.json()["error"]["code"] == "path_not_allowed" and named.json()["error"]["param"] == field
+        assert "inside the server's job directories" in named.json()["error"]["message"]
 
     lora = client.post(
         "/jobs", json=job_body(dataset, method={"type": "lora"}, tokenizer_uri=str(tokenizer))
