@@ -68,8 +68,16 @@ def check_local_paths(spec: JobSpec, settings: Settings) -> None:
         "tokenizer_uri": spec.tokenizer_uri,
     }
     roots = settings.data_roots
+    outputs = (settings.k8s_output_base_uri or "").rstrip("/")
     for field, uri in fields.items():
-        if uri is None or uri.startswith("gs://"):
+        # The jobs' own directories hold every team's runs and weights: a job reads another's only as
+        # `from_job`, whose team the server checked (api.jobs.resolve_from_job), and writes only its own.
+        own_export = field == "base_checkpoint_uri" and spec.from_job is not None
+        if uri is None:
+            continue
+        if uri.startswith("gs://"):
+            if outputs and not own_export and (uri.rstrip("/") == outputs or uri.startswith(f"{outputs}/")):
+                raise _inside_jobs(field, uri, outputs, "a gs:// path elsewhere")
             continue
         if settings.executor == "kubernetes":
             raise ApiError(
@@ -88,18 +96,18 @@ def check_local_paths(spec: JobSpec, settings: Settings) -> None:
                 "move the file under one of them, or add its directory to TPUTUNE_ALLOWED_DATA_ROOTS.",
                 param=field,
             )
-        # The jobs' own directories (under the data dir) hold every team's runs and weights: a job reads
-        # another's only as `from_job`, whose team the server checked (api.jobs.resolve_from_job).
-        own_export = field == "base_checkpoint_uri" and spec.from_job is not None
         if not own_export and _within(real, [settings.jobs_root]):
-            raise ApiError(
-                422,
-                "path_not_allowed",
-                f"{field}: {uri} is inside the server's job directories ({settings.jobs_dir}), which hold "
-                "every team's runs; to start from a job's weights use from_job, else move the file under "
-                "an allowed data root.",
-                param=field,
-            )
+            raise _inside_jobs(field, uri, str(settings.jobs_dir), "an allowed data root")
+
+
+def _inside_jobs(field: str, uri: str, jobs: str, elsewhere: str) -> ApiError:
+    return ApiError(
+        422,
+        "path_not_allowed",
+        f"{field}: {uri} is inside the server's job directories ({jobs}), which hold every team's runs; "
+        f"to start from a job's weights use from_job, else move the file to {elsewhere}.",
+        param=field,
+    )
 
 
 def check_resources(spec: JobSpec, settings: Settings) -> None:

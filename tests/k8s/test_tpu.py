@@ -114,6 +114,20 @@ def post(client: TestClient, **changes: Any) -> Any:
             "dataset_uri",
             "TPU pods cannot see; use a gs://bucket/path URI",
         ),
+        # The jobs' outputs (every team's): not a path a user may name, to read or to write over.
+        (
+            {"base_checkpoint_uri": "gs://outputs/tputune/ft-aaaaaaaaaaaa/final/params"},
+            "path_not_allowed",
+            "base_checkpoint_uri",
+            "inside the server's job directories (gs://outputs/tputune)",
+        ),
+        (
+            {"dataset_uri": "gs://outputs/tputune/ft-aaaaaaaaaaaa/train.jsonl"},
+            "path_not_allowed",
+            "dataset_uri",
+            "to start from a job's weights use from_job",
+        ),
+        ({"output_uri": "gs://outputs/tputune"}, "path_not_allowed", "output_uri", "every team's runs"),
     ],
 )
 def test_invalid_shapes_are_rejected(
@@ -147,3 +161,15 @@ def test_without_a_base_the_output_uri_is_required(make_settings: Any) -> None:
         answer = post(client)
         assert answer.status_code == 422 and answer.json()["error"]["code"] == "output_uri_required"
         assert post(client, output_uri="gs://outputs/mine").status_code == 201
+
+
+def test_a_job_starts_from_the_weights_in_another_jobs_output(k8s_client: TestClient) -> None:
+    """Its output (under TPUTUNE_K8S_OUTPUT_BASE_URI) is the server's to name, through from_job."""
+    from tests.test_api import _finish
+
+    first = post(k8s_client).json()
+    assert first["output_uri"] == f"gs://outputs/tputune/{first['id']}"
+    _finish(k8s_client, first["id"])
+    more = post(k8s_client, from_job=first["id"])
+    assert more.status_code == 201, more.text
+    assert more.json()["spec"]["base_checkpoint_uri"] == f"{first['output_uri']}/final/params"
