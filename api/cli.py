@@ -139,8 +139,8 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
             spec = yaml.safe_load(text) or {}
         else:
             spec = json.loads(text)
-    named = [("name", args.name), ("model", args.model), ("dataset_uri", args.dataset)]
-    for key, value in [*named, ("from_job", args.from_job)]:
+    given = {"name": args.name, "model": args.model, "dataset_uri": args.dataset, "from_job": args.from_job}
+    for key, value in given.items():
         if value is not None:
             spec[key] = value
     if args.method:

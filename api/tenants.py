@@ -171,6 +171,7 @@ def spent(
     # its chips taken at the launch, as its own `usage` counts them; a move from `queued` to `starting`
     # with no launch after is Kueue's admission of its run, which takes them.
     status = e.data["status"].as_string()
+    moves: dict[str, Any] = {"partition_by": e.job_seq, "order_by": e.id}  # (each job's, in order)
     spans = (
         sa_select(
             c.seq.label("job"),
@@ -180,8 +181,8 @@ def spent(
             case((e.type == LAUNCH, literal(LAUNCH)), else_=status).label("status"),
             func.coalesce(e.data["from"].as_string(), "").label("moved_from"),
             e.created_at.label("began"),
-            func.lead(e.created_at).over(partition_by=e.job_seq, order_by=e.id).label("ended"),
-            func.coalesce(func.lead(e.type).over(partition_by=e.job_seq, order_by=e.id), "").label("next"),
+            func.lead(e.created_at).over(**moves).label("ended"),
+            func.coalesce(func.lead(e.type).over(**moves), "").label("next"),
         )
         .select_from(jobs.join(events, e.job_seq == c.seq))
         .where(

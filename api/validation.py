@@ -70,11 +70,11 @@ def check_local_paths(spec: JobSpec, settings: Settings) -> None:
     roots = settings.data_roots
     outputs = (settings.k8s_output_base_uri or "").rstrip("/")
     for field, uri in fields.items():
+        if uri is None:
+            continue
         # The jobs' own directories hold every team's runs and weights: a job reads another's only as
         # `from_job`, whose team the server checked (api.jobs.resolve_from_job), and writes only its own.
         own_export = field == "base_checkpoint_uri" and spec.from_job is not None
-        if uri is None:
-            continue
         if uri.startswith("gs://"):
             if outputs and not own_export and (uri.rstrip("/") == outputs or uri.startswith(f"{outputs}/")):
                 raise _inside_jobs(field, uri, outputs, "a gs:// path elsewhere")

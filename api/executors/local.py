@@ -95,8 +95,7 @@ class LocalExecutor:
     def _start(self, job: Job, token: str) -> dict[str, Any]:
         job_dir = self.job_dir(job)
         job_dir.mkdir(parents=True, exist_ok=True)
-        for stale in (EXIT_FILE, RUNNER_FILE):
-            (job_dir / stale).unlink(missing_ok=True)
+        self.discard(job)  # (a run before, ended: its records are not this one's)
         spec = JobSpec.model_validate(job.spec)
         config = WorkerConfig(job_id=job.id, spec=spec, output_uri=job.output_uri)
         write_json_atomic(job_dir / CONFIG_FILE, config.model_dump(mode="json"))
@@ -175,9 +174,9 @@ class LocalExecutor:
         return False
 
     def discard(self, job: Job) -> None:
-        """Forget a run that no longer goes (paused, or cancelled before its launch was recorded): its
-        runner's and exit status's records, so that the job's next launch starts a run instead of adopting
-        the one that ended (`find`). Its log, config and checkpoints stay."""
+        """Forget a run that no longer goes (paused, or cancelled before its launch was recorded; or before
+        a new one starts): its runner's and exit status's records, so that the job's next launch starts a
+        run instead of adopting the one that ended (`find`). Its log, config and checkpoints stay."""
         job_dir = self.job_dir(job)
         for record in (EXIT_FILE, RUNNER_FILE):
             (job_dir / record).unlink(missing_ok=True)

@@ -153,13 +153,13 @@ async def create_job(request: Request) -> Response:
     idempotency_key = request.headers.get("idempotency-key")
     if idempotency_key is not None and len(idempotency_key) > IDEMPOTENCY_KEY_MAX:
         raise RequestValidationError([_KEY_TOO_LONG | {"input": idempotency_key}])
-    # On the event loop: the checks are CPU work (and a kernel lookup of local paths); the write waits for
-    # the job writer (api.writer), which stores the jobs of concurrent requests in one transaction (on the
-    # loop too, but for jobs with an Idempotency-Key or a SQLite write lock held long by another writer).
-    if spec.from_job is not None:  # (its weights, from a job of the same tenant's)
+    if spec.from_job is not None:  # (its weights, from a job of the same tenant's: one read, on a thread)
         engine = request.app.state.engine
         source = await anyio.to_thread.run_sync(service.read_job_row, engine, tenant, spec.from_job)
         spec = service.resolve_from_job(spec, source)
+    # On the event loop: the checks are CPU work (and a kernel lookup of local paths); the write waits for
+    # the job writer (api.writer), which stores the jobs of concurrent requests in one transaction (on the
+    # loop too, but for jobs with an Idempotency-Key or a SQLite write lock held long by another writer).
     limits = await request.app.state.tenant_limits.of(tenant)  # (cached; read every few seconds)
     new = service.prepare_job(spec, request.app.state.settings, tenant, idempotency_key, limits)
     outcome = await request.app.state.job_writer.create(new)
@@ -307,8 +307,7 @@ def cancel_job(
     job_id: str, session: SessionDep, principal: PrincipalDep, dispatcher: DispatcherDep
 ) -> Response:
     """A queued or paused job is cancelled at once; a running one goes to `cancelling` until its workers
-    stop. Its
-    status message and event say who asked (a key's id, or the admin)."""
+    stop. Its status message and event say who asked (a key's id, or the admin)."""
     job = service.request_cancel(session, principal.scope, job_id, principal.who)
     if dispatcher is not None:
         dispatcher.wake()
