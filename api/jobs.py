@@ -696,10 +696,17 @@ def add_event(
 
 
 def transition(
-    session: Session, job: Job, target: JobStatus, message: str | None = None, **fields: Any
+    session: Session,
+    job: Job,
+    target: JobStatus,
+    message: str | None = None,
+    check: Callable[[], None] | None = None,
+    **fields: Any,
 ) -> bool:
     """Move `job` to `target` if it is still in the status it was read with; commit; False if it moved on.
 
+    `check`, if given, runs after the move and before the commit, in the same transaction (it sees the
+    move); if it raises, the move is rolled back and the error goes on to the caller.
     An invalid transition raises InvalidTransition: it is a bug to ask for one, never silently applied.
     """
     current = job.status
@@ -733,6 +740,12 @@ def transition(
         session.rollback()
         session.refresh(job)
         return False
+    if check is not None:
+        try:
+            check()
+        except BaseException:
+            session.rollback()
+            raise
     event = _status_event(current, target, message)
     add_event(session, job, "status", event["message"], level=event["level"], data=event["data"])
     session.commit()
@@ -906,24 +919,32 @@ def request_resume(
             hint = "; resume it once it is paused." if job.status == JobStatus.pausing else "."
             message = f"Job {job_id} {verb}; only a paused job can be resumed{hint}"
             raise ApiError(409, "job_not_paused", message)
-        if settings is not None:
-            _check_queue_room(session, job.tenant, settings)
+        check = None if settings is None else _queue_room_check(session, job.tenant, settings)
         message = f"Resumed{who}; queued, it continues from its last checkpoint."
-        if transition(session, job, JobStatus.queued, message):
+        if transition(session, job, JobStatus.queued, message, check=check):
             return job
     raise ApiError(409, "job_busy", f"Job {job_id} is changing state right now; retry the resume.")
 
 
-def _check_queue_room(session: Session, tenant: str, settings: Settings) -> None:
-    """Refuse (429) a job that would take `tenant` past its limit of queued jobs."""
-    row = session.get(Tenant, tenant)
-    limit = Limits.of(row, settings).max_queued_jobs
+def _queue_room_check(session: Session, tenant: str, settings: Settings) -> Callable[[], None] | None:
+    """For a move of one of `tenant`'s jobs to `queued`: a check (for `transition`) that refuses it (429)
+    if it takes the tenant past its limit of queued jobs; None if it has none. Exact with concurrent moves
+    and submissions, as `write_jobs` is: the jobs are counted after the move, in its transaction (on SQLite
+    the move holds the write lock until the commit); on PostgreSQL the tenant's queue lock is taken first
+    (here: it is held until the move's commit or rollback)."""
+    limit = Limits.of(session.get(Tenant, tenant), settings).max_queued_jobs
     if limit is None:
-        return
-    statement = _COUNT_QUEUED.where(col(Job.tenant) == tenant).group_by(col(Job.tenant))
-    queued = next((count for _, count in session.execute(statement)), 0)
-    if queued >= limit:
-        raise too_many_queued_jobs(tenant, queued, limit, action="resume this job")
+        return None
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(_LOCK_TENANT_QUEUE, {"key": f"tputune.queued:{tenant}"})
+
+    def check() -> None:
+        statement = _COUNT_QUEUED.where(col(Job.tenant) == tenant).group_by(col(Job.tenant))
+        queued = next((count for _, count in session.execute(statement)), 0)  # (this job among them)
+        if queued > limit:
+            raise too_many_queued_jobs(tenant, queued - 1, limit, action="resume this job")
+
+    return check
 
 
 # --- worker reports --------------------------------------------------------------------------------

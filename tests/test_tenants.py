@@ -304,6 +304,44 @@ def test_concurrent_submissions_across_replicas_keep_to_the_limit_on_queued_jobs
         assert len(queued_ids(replicas[0], key)) == 5 and len(queued_ids(replicas[0], other)) == 4
 
 
+def test_concurrent_resumes_across_replicas_keep_to_the_limit_on_queued_jobs(
+    make_settings: Callable[..., Settings], dataset: Path
+) -> None:
+    """With one place left in the queue, 8 paused jobs resumed at once through four API processes: one is
+    queued, 7 are refused and stay paused. Each count of the queued jobs is held a moment before the
+    transaction goes on, so that the resumes overlap (before, each counted before its move: all 8 fit)."""
+    settings = make_settings(
+        dispatcher_enabled=False, admin_key=ADMIN, rate_limit_per_second=0, tenant_max_queued_jobs=3
+    )
+
+    def slow_count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.startswith("SELECT jobs.tenant, count(*)"):
+            time.sleep(0.1)
+
+    with contextlib.ExitStack() as stack:
+        replicas = [stack.enter_context(TestClient(create_app(settings))) for _ in range(4)]
+        key = bearer(make_key(replicas[0], "research"))
+        paused = []
+        for _ in range(8):
+            job_id = replicas[0].post("/jobs", json=body(dataset), headers=key).json()["id"]
+            assert replicas[0].post(f"/jobs/{job_id}/pause", headers=key).json()["status"] == "paused"
+            paused.append(job_id)
+        for _ in range(2):
+            assert replicas[0].post("/jobs", json=body(dataset), headers=key).status_code == 201
+        event.listen(Engine, "after_cursor_execute", slow_count)
+        stack.callback(event.remove, Engine, "after_cursor_execute", slow_count)
+
+        def resume(n: int) -> int:
+            return replicas[n % 4].post(f"/jobs/{paused[n]}/resume", headers=key).status_code
+
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(resume, range(8)))
+        assert sorted(codes) == [200] + [429] * 7, codes
+        assert len(queued_ids(replicas[0], key)) == 3
+        statuses = [replicas[0].get(f"/jobs/{job_id}", headers=key).json()["status"] for job_id in paused]
+        assert sorted(statuses) == ["paused"] * 7 + ["queued"]
+
+
 def test_concurrent_changes_to_a_new_tenant_all_succeed(app_client: TestClient) -> None:
     """The first change makes the tenant's row: requests racing to make it do not fail."""
 
