@@ -83,12 +83,21 @@ def watch_line(job: dict[str, Any]) -> str:
     """What `watch` shows: until the job runs, and while it is paused, its status and why; then
     `progress_line`."""
     if job["status"] in ("queued", "starting", "pausing", "paused") and job.get("status_message"):
-        return f"{job['status']}: {job['status_message']}"
+        return f"{job['status']}{queue_place(job)}: {job['status_message']}"
     return progress_line(job)
 
 
+def queue_place(job: dict[str, Any]) -> str:
+    """ " (3rd in the queue)" for a queued job whose place the API gave (GET /jobs/{id}); else ""."""
+    position = job.get("queue_position")
+    if not position:
+        return ""
+    suffix = "th" if 10 <= position % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(position % 10, "th")
+    return f" ({position}{suffix} in the queue)"
+
+
 def _print_job(job: dict[str, Any]) -> None:
-    print(f"{job['id']}  {job['name']}  {job['model']} ({job['method']})  {job['status']}")
+    print(f"{job['id']}  {job['name']}  {job['model']} ({job['method']})  {job['status']}{queue_place(job)}")
     if job.get("status_message"):
         print(f"  {job['status_message']}")
     print(f"  {progress_line(job)}")

@@ -121,7 +121,8 @@ class NewJob:
         return (
             f'{{"id":{text(row["id"])},"object":"fine_tuning.job","tenant":{text(row["tenant"])},'
             f'"name":{text(row["name"])},'
-            f'"status":{text(row["status"])},"status_message":{text(row["status_message"])},'
+            f'"status":{text(row["status"])},"queue_position":null,'
+            f'"status_message":{text(row["status_message"])},'
             f'"model":{text(row["model"])},"method":{text(row["method"])},'
             f'"executor":{text(row["executor"])},"created_at":"{_utc_iso(row["created_at"])}",'
             f'"started_at":null,"finished_at":null,"progress":{{"step":{row["step"]},"total_steps":null,'
@@ -663,6 +664,18 @@ def event_heads_statement(job_ids: Sequence[str], mark: str, any_of: bool) -> tu
         "COALESCE((SELECT max(e.id) FROM job_events e WHERE e.job_seq = j.seq), 0) "
         f"FROM jobs j WHERE j.id {where}",
         params,
+    )
+
+
+def queue_position_statement(job_id: str, mark: str) -> tuple[str, list[Any]]:
+    """The job's place in its executor's queue (1: the next to start), 0 if it is not waiting there (not
+    queued, or queued and held by the platform: Kueue decides those): the jobs queued for launch before it,
+    in the dispatcher's order (`seq`), counted on the (status, seq) index, and itself."""
+    return (
+        "SELECT count(*) FROM jobs j JOIN jobs q ON q.status = j.status AND q.seq <= j.seq "
+        "AND q.executor = j.executor AND q.launched_at IS NULL "
+        f"WHERE j.id = {mark} AND j.status = 'queued' AND j.launched_at IS NULL",
+        [job_id],
     )
 
 

@@ -107,6 +107,14 @@ class JobPublic(BaseModel):
         description="queued, starting, running, succeeded, failed or cancelled; cancelling while its "
         "workers stop, pausing and paused for a job paused (POST /jobs/{id}/pause) until resumed."
     )
+    queue_position: int | None = Field(
+        None,
+        description="Of a queued job, in GET /jobs/{id} only (null in lists and other answers): its place "
+        "in the queue, 1 for the next to start. Jobs start in the order they were submitted (a resumed job "
+        "keeps its place), every team's, as each team's limits allow (a job behind its team's limit waits "
+        "and the next starts: `status_message` says so). Null for a job the platform holds (Kueue: its "
+        "quota decides; see `status_message`) and for any other status.",
+    )
     status_message: str | None
     model: str
     method: str

@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,9 @@ def test_create_and_get(client: TestClient, dataset: Path) -> None:
         "eta_seconds": None,
     }
     assert job["created_at"].endswith(("Z", "+00:00"))
+    assert job["queue_position"] is None  # (GET /jobs/{id} works it out)
     fetched = client.get(f"/jobs/{job['id']}").json()
-    assert fetched == job
+    assert fetched == {**job, "queue_position": 1}
 
 
 def test_unknown_job_is_404(client: TestClient) -> None:
@@ -382,6 +384,40 @@ def _finish(client: TestClient, job_id: str, status: str = "succeeded") -> None:
     with Session(client.app.state.engine) as session:  # type: ignore[attr-defined]
         session.execute(update(Job).where(col(Job.id) == job_id).values(status=status))
         session.commit()
+
+
+def _set(client: TestClient, job_id: str, **values: Any) -> None:
+    from sqlalchemy import update
+    from sqlmodel import Session, col
+
+    from api.models import Job
+
+    with Session(client.app.state.engine) as session:  # type: ignore[attr-defined]
+        session.execute(update(Job).where(col(Job.id) == job_id).values(**values))
+        session.commit()
+
+
+def test_a_queued_job_shows_its_place_in_the_queue(client: TestClient, dataset: Path) -> None:
+    ids = [client.post("/jobs", json=job_body(dataset)).json()["id"] for _ in range(4)]
+
+    def places() -> list[int | None]:
+        return [client.get(f"/jobs/{job_id}").json()["queue_position"] for job_id in ids]
+
+    assert places() == [1, 2, 3, 4]
+    assert {job["queue_position"] for job in client.get("/jobs").json()["data"]} == {None}  # (GET only)
+    # The first starts: the others move up. A paused job leaves the queue; resumed, it has its old place.
+    _set(client, ids[0], status="starting", launched_at=datetime.now(UTC))
+    assert client.post(f"/jobs/{ids[2]}/pause").json()["status"] == "paused"
+    assert places() == [None, 1, None, 2]
+    assert client.post(f"/jobs/{ids[2]}/resume").json()["queue_position"] is None  # (GET only)
+    assert places() == [None, 1, 2, 3]
+    # A job held by the platform after its launch (Kueue) waits in its queue, not ours; each executor's
+    # jobs have a queue of their own (one left from a server run with the other is not ahead).
+    _set(client, ids[1], launched_at=datetime.now(UTC))
+    _set(client, ids[2], executor="kubernetes")
+    assert places() == [None, None, 1, 1]
+    _set(client, ids[3], status="running")
+    assert places() == [None, None, 1, None]
 
 
 def test_a_job_starts_from_the_weights_of_one_that_succeeded(client: TestClient, dataset: Path) -> None:

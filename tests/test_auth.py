@@ -138,6 +138,8 @@ def test_tenants_are_isolated(auth_client: TestClient, dataset: Path) -> None:
     a = auth_client.post("/jobs", json=job(dataset), headers={**bearer(alpha), "Idempotency-Key": "same"})
     b = auth_client.post("/jobs", json=job(dataset), headers={**bearer(beta), "Idempotency-Key": "same"})
     assert a.status_code == b.status_code == 201 and a.json()["id"] != b.json()["id"]
+    # The queue is every team's: beta's job waits behind alpha's two (their number, not which they are).
+    assert auth_client.get(f"/jobs/{b.json()['id']}", headers=bearer(beta)).json()["queue_position"] == 3
 
 
 def test_the_admin_key_sees_and_acts_on_every_tenants_jobs(auth_client: TestClient, dataset: Path) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from sqlmodel import Session, select
 
-from api.cli import interruptions_line, main, progress_line, usage_line
+from api.cli import interruptions_line, main, progress_line, queue_place, usage_line
 from api.jobs import transition
 from api.models import Job, utcnow
 from api.states import JobStatus
@@ -166,7 +166,7 @@ def test_watch_says_why_a_job_waits_until_it_runs(live_api, dataset: Path, capsy
         cancel.join()
     lines = out.splitlines()
     assert code == 0 and lines[-1] == f"{waiting} succeeded"
-    assert lines[0] == "queued: Waiting: 1 job of your team is running (limit 1)."
+    assert lines[0] == "queued (1st in the queue): Waiting: 1 job of your team is running (limit 1)."
     assert any(line.startswith("[") and line.endswith("succeeded") for line in lines)
 
 
@@ -294,6 +294,18 @@ def test_pause_stops_a_running_job_and_resume_runs_it_again(live_api, dataset: P
 )
 def test_progress_line(job: dict, expected: str) -> None:
     assert progress_line(job) == expected
+
+
+@pytest.mark.parametrize(
+    ("position", "place"),
+    [
+        *[(None, ""), (1, "1st"), (2, "2nd"), (3, "3rd"), (4, "4th"), (11, "11th"), (12, "12th")],
+        *[(13, "13th"), (21, "21st"), (22, "22nd"), (101, "101st"), (111, "111th"), (1003, "1003rd")],
+    ],
+)
+def test_queue_place(position: int | None, place: str) -> None:
+    expected = f" ({place} in the queue)" if place else ""
+    assert queue_place({"status": "queued", "queue_position": position}) == expected
 
 
 @pytest.mark.parametrize(

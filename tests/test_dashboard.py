@@ -338,11 +338,13 @@ def test_fresh_queued_job_renders_and_cancels(
     live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
 ) -> None:
     api = live_api(dispatcher_enabled=False)
+    ahead = create(api, dataset, "ahead")
     job_id = create(api, dataset, "fresh")
     tab = open_tab(api, f"/ui/jobs/{job_id}")
     page = tab.page
     expect(page.locator("#status")).to_have_text("queued")
     expect(page.locator("#status-message")).to_have_text("Waiting for the dispatcher to start it.")
+    expect(page.locator("#queue-place")).to_have_text("2nd in the queue")
     expect(page.locator("#loss-chart text.empty")).to_have_text("No metrics yet")
     assert series(page, "loss") == [] and series(page, "eval_loss") == []
     expect(page.locator("#progress-text")).to_have_text("Step 0")
@@ -351,10 +353,15 @@ def test_fresh_queued_job_renders_and_cancels(
     expect(page.locator("#samples-empty")).to_be_visible()
     expect(page.locator("#checkpoints-empty")).to_be_visible()
     expect(page.locator("#events li")).to_have_count(1)
+    # The job ahead leaves the queue (no event of this job's): the page reads its place again.
+    with api.client() as http:
+        assert http.post(f"/jobs/{ahead}/cancel").status_code == 200
+    expect(page.locator("#queue-place")).to_have_text("1st in the queue", timeout=10_000)
 
     page.once("dialog", lambda dialog: dialog.accept())
     page.locator("#cancel").click()
     expect(page.locator("#status")).to_have_text("cancelled")
+    expect(page.locator("#queue-place")).to_have_text("")
     expect(page.locator("#cancel")).to_be_disabled()
     expect(page.locator("#live")).to_have_text("Job finished; no more updates.")
     expect(page.locator("#events li").first).to_contain_text("Cancelled before it started.")

@@ -230,13 +230,19 @@ def _page_json(rows: list[Any], has_more: bool) -> str:
     openapi_extra=API_KEY_REQUIRED,
 )
 async def get_job(job_id: str, request: Request) -> Response:
+    """The job as it is now; a queued one with its place in the queue (`queue_position`)."""
     # The route clients poll: it authenticates itself instead of through a dependency (solving one cost a
     # quarter of the route's CPU time) and reads on the event loop (see api.reader).
     scope = (await caller(request)).scope
-    row = await request.app.state.job_reader.read_job(scope, job_id)
+    reader = request.app.state.job_reader
+    row = await reader.read_job(scope, job_id)
     if row is None:
         raise not_found(job_id)
-    return Response(_rendered(row), media_type="application/json")
+    text = _rendered(row)
+    if row.status == JobStatus.queued and (position := await reader.queue_position(job_id)):
+        # (the first: a string in the JSON holds no such text, its quotes are escaped)
+        text = text.replace('"queue_position":null', f'"queue_position":{position}', 1)
+    return Response(text, media_type="application/json")
 
 
 def _rendered(row: Any) -> str:

@@ -20,6 +20,8 @@ const TIMELINE_TYPES = [
   "status", "launch", "eval", "checkpoint", "sample", "result", "restart", "warning", "error",
 ];
 const REFRESH_MS = 1000;
+// A queued job's place changes as the jobs ahead of it start, which adds no event of its own: read it again.
+const QUEUE_REFRESH_MS = 5000;
 // Pause stops a job that may still run; resume queues a paused one again. (Cancel: any unfinished job.)
 const PAUSABLE = new Set(["queued", "starting", "running"]);
 const PAUSED_OR_PAUSING = new Set(["pausing", "paused"]);
@@ -44,6 +46,14 @@ function setStatus(status) {
   $("resume").disabled = status !== "paused";
 }
 
+let queueTimer = null;
+
+// 1st, 2nd, 3rd, 4th, ..., 11th, 12th, 13th, ..., 21st
+function ordinal(n) {
+  const teen = n % 100 >= 10 && n % 100 <= 20;
+  return `${n}${teen ? "th" : { 1: "st", 2: "nd", 3: "rd" }[n % 10] ?? "th"}`;
+}
+
 function showJob(next) {
   job = next;
   document.title = `${job.name} · tputune`;
@@ -51,6 +61,10 @@ function showJob(next) {
   $("job-id").textContent = job.id;
   setStatus(job.status);
   $("status-message").textContent = job.status_message ?? "";
+  const place = job.queue_position;
+  $("queue-place").textContent = place ? `${ordinal(place)} in the queue` : "";
+  clearTimeout(queueTimer);
+  if (place) queueTimer = setTimeout(() => loadJob().catch(showLoadError), QUEUE_REFRESH_MS);
   $("job-error").hidden = !job.error;
   $("job-error-code").textContent = job.error?.code ?? "";
   $("job-error-message").textContent = job.error?.message ?? "";
