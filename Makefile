@@ -39,7 +39,8 @@ format: install
 	$(UV) run --no-sync ruff format .
 	$(UV) run --no-sync ruff check --fix .
 
-# Two test processes (the 2 cores of CI: 13.7 min, not 19.5); `make test PYTEST_ARGS=-n0` runs them in one.
+# Two test processes (the 2 cores of CI: 13.7 min, not 19.5); the training tests one after another in
+# one of them (tests/conftest.py). `make test PYTEST_ARGS=-n0` runs them all in one.
 PYTEST_ARGS ?= -n 2
 test: lint system-deps
 	$(UV) run --no-sync pytest $(PYTEST_ARGS)

@@ -26,6 +26,26 @@ pytest_plugins = ["tests.support.fixtures"]
 
 FAKE_WORKER = Path(__file__).parent / "fake_worker.py"
 
+# Tests that train with JAX (in the test process or in worker processes), each on every core. With the tests
+# in several processes (`make test`: pytest-xdist), they run one after another in one of them, from the
+# start, beside the other tests: two at once slowed each by half, and the last ones left a long tail.
+TRAINING_FILES = {
+    f"tests/worker/test_{name}.py" for name in ("e2e", "distributed", "checkpoint", "gguf_import", "train")
+}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's scheduler by scopes (work units), each test a scope of its own but the training tests,
+    one scope together; the biggest scope first (`--loadscope-reorder`, the default). (`--dist loadgroup`
+    with `xdist_group` marks would do it, but it ignores the marks under pytest 9.2: pytest-xdist#1386.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TrainingApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "training" if nodeid.split("::")[0] in TRAINING_FILES else nodeid
+
+    return TrainingApart(config, log)
+
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
