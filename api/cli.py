@@ -88,7 +88,7 @@ def watch_line(job: dict[str, Any]) -> str:
 
 
 def queue_place(job: dict[str, Any]) -> str:
-    """ " (3rd in the queue)" for a queued job whose place the API gave (GET /jobs/{id}); else ""."""
+    """For a queued job whose place the API gave (GET /jobs/{id}): ` (3rd in the queue)`; else nothing."""
     position = job.get("queue_position")
     if not position:
         return ""

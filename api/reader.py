@@ -221,7 +221,7 @@ class SqliteReader:
         return _sqlite_heads(self._execute_inline, job_ids)
 
     async def queue_position(self, job_id: str) -> int:
-        # On the loop: a count on an index of the queued jobs ahead of it (0.5 ms for a thousand).
+        # On the loop: a count on an index of the queued jobs ahead of it (0.13 ms for a thousand).
         return _sqlite_position(self._execute_inline, job_id)
 
     def _execute_inline(self, sql: str, params: list[Any]) -> list[Any]:

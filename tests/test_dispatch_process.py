@@ -65,9 +65,10 @@ def test_it_waits_for_another_dispatcher_on_the_same_data_dir(
     try:
         running.start()
         job_id = running.submit()
-        time.sleep(3)
+        # (its dispatcher process says so once started: seconds on a busy machine)
+        wait_for(lambda: "another dispatcher runs" in running.log.read_text(), "the wait", timeout=30)
+        time.sleep(2)
         assert running.job(job_id)["status"] == "queued"  # nobody dispatched it
-        assert "another dispatcher runs" in running.log.read_text()
         os.close(held)  # the older one is gone
         held = -1
         running.dispatched(job_id, timeout=15)  # it takes over with a pass of its own

@@ -85,7 +85,7 @@ def test_a_keys_rate_limit_holds_across_replicas(tmp_path: Path, dataset: Path, 
         print(f"passed {passed} in {elapsed:.1f} s at {rate}/s, burst {burst}; at most {most:.1f}")
         assert sum(passed.values()) <= most, (passed, elapsed)
         assert sum(passed.values()) >= rate * elapsed / 2 and min(passed.values()) >= 2, passed
-        assert refused > 100
+        assert refused > sum(passed.values())  # (well past the rate: how far, the machine's load says)
         # Each says on /metrics that it shares with the other, and when it last did.
         for server in (a, b):
             assert server.metric("tputune_replicas") == 2
