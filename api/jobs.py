@@ -30,7 +30,7 @@ from sqlmodel import Session, col, select
 from api import tpu
 from api.db import autocommit_connection
 from api.errors import ApiError, not_found
-from api.models import IdempotencyKey, Job, JobEvent, Tenant, as_utc, utcnow
+from api.models import IdempotencyKey, Job, JobEvent, Tenant, as_utc, job_spec, utcnow
 from api.settings import Settings
 from api.states import FINAL, JobStatus, check_transition
 from api.tenants import Limits
@@ -219,9 +219,8 @@ def write_jobs(connection: Connection, batch: Sequence[NewJob]) -> list[Outcome 
     other's. (It needs a transaction: not autocommit.)
     """
     capped = {new.tenant: new.max_queued for new in batch if new.max_queued is not None}
-    if capped and connection.dialect.name == "postgresql":
-        for tenant in sorted(capped):
-            connection.execute(_LOCK_TENANT_QUEUE, {"key": f"tputune.queued:{tenant}"})
+    for tenant in sorted(capped):
+        _lock_tenant_queue(connection, tenant)
     outcomes: list[Outcome | ApiError | None] = [None] * len(batch)
     taken = _taken_keys(connection, [new for new in batch if new.idempotency_key is not None])
     first_of_key: dict[tuple[str, str], int] = {}
@@ -412,6 +411,17 @@ def write_one(engine: Engine, new: NewJob) -> Outcome | ApiError:
 
 
 _LOCK_TENANT_QUEUE = sql_text("SELECT pg_advisory_xact_lock(hashtext(:key))")
+
+
+def _lock_tenant_queue(db: Connection | Session, tenant: str) -> None:
+    """On PostgreSQL, the lock on `tenant`'s queue, held until the transaction ends: the writers that count
+    its queued jobs to keep to its limit (`write_jobs`, `_queue_room_check`) take it first, so that their
+    counts see each other's writes. (On SQLite the database's write lock does it.)"""
+    bind = db.get_bind() if isinstance(db, Session) else db
+    if bind.dialect.name == "postgresql":
+        db.execute(_LOCK_TENANT_QUEUE, {"key": f"tputune.queued:{tenant}"})
+
+
 _COUNT_QUEUED = sa_select(col(Job.tenant), func.count()).where(col(Job.status) == JobStatus.queued.value)
 QUEUE_FULL_RETRY_SECONDS = 30  # Retry-After's hint: queued jobs start as others end, at no set time
 
@@ -490,7 +500,7 @@ def resolve_from_job[SpecT: JobSpec](spec: SpecT, source: Any | None) -> SpecT:
             "from_job_model_mismatch",
             f"job {job_id} fine-tuned {source.model}, not {spec.model}; use the same model.",
         )
-    made = JobSpec.model_validate(source.spec)
+    made = job_spec(source)
     if made.method.type == "lora" and not made.method.export_merged:
         raise refuse(
             "from_job_not_merged",
@@ -948,8 +958,7 @@ def _queue_room_check(session: Session, tenant: str, settings: Settings) -> Call
     limit = Limits.of(session.get(Tenant, tenant), settings).max_queued_jobs
     if limit is None:
         return None
-    if session.get_bind().dialect.name == "postgresql":
-        session.execute(_LOCK_TENANT_QUEUE, {"key": f"tputune.queued:{tenant}"})
+    _lock_tenant_queue(session, tenant)
 
     def check() -> None:
         statement = _COUNT_QUEUED.where(col(Job.tenant) == tenant).group_by(col(Job.tenant))

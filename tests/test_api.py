@@ -376,14 +376,7 @@ def test_resume_keeps_to_the_teams_limit_on_queued_jobs(
 
 
 def _finish(client: TestClient, job_id: str, status: str = "succeeded") -> None:
-    from sqlalchemy import update
-    from sqlmodel import Session, col
-
-    from api.models import Job
-
-    with Session(client.app.state.engine) as session:  # type: ignore[attr-defined]
-        session.execute(update(Job).where(col(Job.id) == job_id).values(status=status))
-        session.commit()
+    _set(client, job_id, status=status)
 
 
 def _set(client: TestClient, job_id: str, **values: Any) -> None:
