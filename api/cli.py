@@ -362,6 +362,46 @@ def keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def webhooks(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if args.action == "create":
+            events = [e.strip() for e in args.events.split(",") if e.strip()] if args.events else None
+            hook = client.create_webhook(args.url, events, args.description, args.tenant)
+            print(
+                f"created {hook['id']} for tenant {hook['tenant']} ({', '.join(hook['events'])}); "
+                "its signing secret is shown only now:"
+            )
+            print(hook["secret"])
+        elif args.action == "list":
+            print(f"{'ID':<20} {'TENANT':<16} {'CREATED':<18} {'EVENTS':<40} URL")
+            for hook in client.list_webhooks(args.tenant)["data"]:
+                print(
+                    f"{hook['id']:<20} {hook['tenant']:<16} {_when(hook['created_at']):<18} "
+                    f"{','.join(hook['events']):<40} {hook['url']}"
+                )
+        elif args.action == "test":
+            delivery = client.test_webhook(args.webhook_id)
+            print(
+                f"sent a {delivery['type']} event (delivery {delivery['id']}): "
+                f"tputune webhooks deliveries {args.webhook_id}"
+            )
+        elif args.action == "deliveries":
+            page = client.webhook_deliveries(args.webhook_id, limit=args.limit, status=args.status)
+            print(f"{'ID':<8} {'CREATED':<18} {'EVENT':<14} {'JOB':<16} {'STATUS':<10} {'TRIES':>5}  LAST")
+            for d in page["data"]:
+                last = d["last_error"] or (f"HTTP {d['response_status']}" if d["response_status"] else "")
+                if d["status"] == "pending" and d["next_attempt_at"]:
+                    last = f"{last}; next try {_when(d['next_attempt_at'])}".lstrip("; ")
+                print(
+                    f"{d['id']:<8} {_when(d['created_at']):<18} {d['type']:<14} {d['job_id'] or '-':<16} "
+                    f"{d['status']:<10} {d['attempts']:>5}  {last}"
+                )
+        else:
+            hook = client.delete_webhook(args.webhook_id)
+            print(f"{hook['id']} deleted")
+    return 0
+
+
 def _limit(tenant: dict[str, Any], field: str) -> str:
     """A limit as `8`, `8 (server)` where it is the server's, `unlimited` where the team has none whatever
     the server's, or `none`."""
@@ -575,6 +615,29 @@ def parser() -> argparse.ArgumentParser:
     a = actions.add_parser("revoke", help="revoke a key")
     a.add_argument("key_id")
     p.set_defaults(func=keys)
+
+    p = commands.add_parser("webhooks", help="endpoints told when your jobs start, pause and end")
+    actions = p.add_subparsers(dest="action", required=True)
+    a = actions.add_parser("create", help="add an endpoint (its signing secret is printed once)")
+    a.add_argument("url", help="https URL the events are posted to")
+    a.add_argument(
+        "--events",
+        help="comma-separated, of job.running, job.paused, job.succeeded, job.failed, job.cancelled "
+        "(default: the last three)",
+    )
+    a.add_argument("--description")
+    a.add_argument("--tenant", help="another tenant's (admin keys only)")
+    a = actions.add_parser("list", help="list endpoints")
+    a.add_argument("--tenant", help="only this tenant's (admin keys)")
+    a = actions.add_parser("test", help="send a webhook.test event")
+    a.add_argument("webhook_id")
+    a = actions.add_parser("deliveries", help="an endpoint's deliveries, newest first, and how each went")
+    a.add_argument("webhook_id")
+    a.add_argument("--status", choices=["pending", "delivered", "failed"])
+    a.add_argument("--limit", type=int, default=20)
+    a = actions.add_parser("delete", help="delete an endpoint")
+    a.add_argument("webhook_id")
+    p.set_defaults(func=webhooks)
 
     p = commands.add_parser(
         "tenants", help="teams' limits on running and queued jobs and chips, and their use"

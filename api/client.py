@@ -181,6 +181,41 @@ class Client:
     def revoke_key(self, key_id: str) -> dict[str, Any]:
         return self._request("DELETE", f"/admin/keys/{key_id}")
 
+    # --- webhooks ---
+
+    def create_webhook(
+        self,
+        url: str,
+        events: list[str] | None = None,
+        description: str | None = None,
+        tenant: str | None = None,
+    ) -> dict[str, Any]:
+        """An endpoint told of the tenant's jobs' moves; its signing secret is in `secret`, shown once."""
+        body: dict[str, Any] = {"url": url}
+        for name, value in (("events", events), ("description", description), ("tenant", tenant)):
+            if value is not None:
+                body[name] = value
+        return self._request("POST", "/webhooks", json=body)
+
+    def list_webhooks(self, tenant: str | None = None) -> dict[str, Any]:
+        return self._request("GET", "/webhooks", params={"tenant": tenant} if tenant else None)
+
+    def delete_webhook(self, webhook_id: str) -> dict[str, Any]:
+        return self._request("DELETE", f"/webhooks/{webhook_id}")
+
+    def test_webhook(self, webhook_id: str) -> dict[str, Any]:
+        return self._request("POST", f"/webhooks/{webhook_id}/test")
+
+    def webhook_deliveries(
+        self, webhook_id: str, limit: int = 20, status: str | None = None, after: int | None = None
+    ) -> dict[str, Any]:
+        params: dict[str, Any] = {"limit": limit}
+        if status is not None:
+            params["status"] = status
+        if after is not None:
+            params["after"] = after
+        return self._request("GET", f"/webhooks/{webhook_id}/deliveries", params=params)
+
     # --- tenants' limits ---
 
     def tenant(self) -> dict[str, Any]:

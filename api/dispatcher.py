@@ -24,6 +24,7 @@ from api.observability import DispatcherStats, job_id_var
 from api.settings import Settings
 from api.states import ACTIVE, JobStatus
 from api.validation import chip_unit, held_chips
+from api.webhooks import WebhookSender
 from worker.config import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,10 @@ class Dispatcher:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        # Webhooks are sent beside the dispatcher, in a thread of its own, by the leader only.
+        self.webhooks: WebhookSender | None = None
+        if settings.webhooks_enabled:
+            self.webhooks = WebhookSender(engine, settings, leader.is_leader if leader is not None else None)
 
     # --- the loop ---
 
@@ -112,6 +117,8 @@ class Dispatcher:
         self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.webhooks is not None:
+            self.webhooks.stop()
         if self.leader is not None:
             self.leader.stop()
 
@@ -121,6 +128,8 @@ class Dispatcher:
 
     def run(self) -> None:
         """The loop, until stop()."""
+        if self.webhooks is not None:
+            self.webhooks.start()
         while not self._stop.is_set():
             started = time.monotonic()
             self._wake.clear()  # before the pass: a wake-up during it asks for another

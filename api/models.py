@@ -181,6 +181,62 @@ class Tenant(SQLModel, table=True):
     updated_by: str | None = Field(default=None, max_length=64)  # who set them, as Principal.who says
 
 
+class Webhook(SQLModel, table=True):
+    """An endpoint of a tenant's that is told of its jobs' moves (api.webhooks), signed with `secret` as
+    Standard Webhooks does. The secret is kept as it is (the server signs with it), shown once."""
+
+    __tablename__ = "webhooks"
+
+    id: str = Field(max_length=32, primary_key=True)
+    tenant: str = Field(max_length=64, index=True)
+    url: str = Field(max_length=2048)
+    events: list[str] = Field(sa_column=Column(JSON, nullable=False))
+    description: str | None = Field(default=None, max_length=256)
+    secret: str = Field(max_length=64)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=DateTime(timezone=True), nullable=False)
+    created_by: str | None = Field(default=None, max_length=64)  # as Principal.who says
+
+
+class WebhookDelivery(SQLModel, table=True):
+    """One event for one endpoint: its body (fixed, so every attempt sends the same), and how sending it
+    went. `event_id` is the job event (a status event) it tells of; NULL for a test ping."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (
+        UniqueConstraint("webhook_id", "event_id", name="uq_webhook_deliveries_event"),
+        Index("ix_webhook_deliveries_webhook_id", "webhook_id", "id"),
+        Index("ix_webhook_deliveries_job", "webhook_id", "job_id", "id"),
+        Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),
+    )
+
+    id: int | None = Field(
+        default=None, sa_column=Column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    )
+    webhook_id: str = Field(max_length=32, foreign_key="webhooks.id", ondelete="CASCADE")
+    event_id: int | None = Field(default=None, sa_type=BigInteger)
+    type: str = Field(max_length=32)
+    job_id: str | None = Field(default=None, max_length=32)
+    body: str = Field(max_length=8000)
+    status: str = Field(default="pending", max_length=16)  # pending, delivered, failed
+    attempts: int = 0
+    created_at: datetime = Field(default_factory=utcnow, sa_type=DateTime(timezone=True), nullable=False)
+    next_attempt_at: datetime | None = _ts()
+    last_attempt_at: datetime | None = _ts()
+    response_status: int | None = None
+    last_error: str | None = Field(default=None, max_length=500)
+
+
+class WebhookCursor(SQLModel, table=True):
+    """Where the webhook sender's reading of job events stands: every status event up to `event_id` was
+    looked at (one row, id 1)."""
+
+    __tablename__ = "webhook_cursor"
+
+    id: int = Field(default=1, primary_key=True)
+    event_id: int = Field(default=0, sa_type=BigInteger)
+    updated_at: datetime = Field(default_factory=utcnow, sa_type=DateTime(timezone=True), nullable=False)
+
+
 # A job's spec never changes after it is created: validate it once per process, not on every read. A few
 # thousand at most: each is ~10 objects the garbage collector walks on every full collection, and with
 # 20,000 cached a full collection paused the server for ~130 ms (p99 of POST /jobs at 64 clients).

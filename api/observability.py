@@ -20,6 +20,7 @@ from sqlmodel import Session, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import tenants as tenant_limits
+from api import webhooks
 from api.models import Job
 from api.settings import Settings
 from api.states import JobStatus
@@ -145,12 +146,18 @@ class _JobsByStatus(Collector):
             name: GaugeMetricFamily(f"tputune_tenant_{name}", text, labels=["tenant"])
             for name, text in _LIMITS_HELP.items()
         }
+        deliveries = GaugeMetricFamily(
+            "tputune_webhook_deliveries",
+            "Webhook deliveries kept, by status (pending: not yet delivered; failed: given up)",
+            labels=["status"],
+        )
         counts = dict.fromkeys((s.value for s in JobStatus), 0)
         with Session(self.engine) as session:
             for status, count in session.exec(select(Job.status, func.count()).group_by(Job.status)):
                 counts[status] = count
             used = tenant_limits.usage(session, self.settings)
             own = tenant_limits.load(session)
+            delivery_counts = webhooks.count_by_status(session)
         for status, count in counts.items():
             family.add_metric([status], count)
         yield family
@@ -167,6 +174,9 @@ class _JobsByStatus(Collector):
                 if (value := getattr(limits, name)) is not None:
                     limit_family.add_metric([tenant], value)
         yield from limit_families.values()
+        for status, count in delivery_counts.items():
+            deliveries.add_metric([status], count)
+        yield deliveries
 
 
 access_log = logging.getLogger("tputune.access")

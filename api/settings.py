@@ -169,6 +169,29 @@ class Settings(BaseSettings):
         "refused with 429 (too_many_queued_jobs), so that a runaway script cannot fill the queue.",
     )
 
+    # --- webhooks (api.webhooks) ---
+    webhooks_enabled: bool = Field(
+        default=True, description="Send webhooks (with the dispatcher, on the leader); false: none are sent."
+    )
+    webhook_allow_http: bool = Field(default=False, description="Endpoints may be http:// (tests, a LAN).")
+    webhook_allow_private: bool = Field(
+        default=False,
+        description="Endpoints may be private or local addresses (else only public ones: the server posts "
+        "from inside the cluster).",
+    )
+    webhook_timeout_seconds: float = Field(default=10.0, gt=0, le=60, description="Bound on one post.")
+    webhook_retry_seconds: Annotated[list[float], NoDecode] = Field(
+        default_factory=lambda: [5.0, 30.0, 120.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0, 28800.0],
+        description="Waits before each retry of a failed delivery (comma-separated seconds); after the "
+        "last, it has failed.",
+    )
+    webhook_max_per_tenant: int = Field(
+        default=10, ge=1, le=1000, description="Endpoints one tenant may have."
+    )
+    webhook_retention_days: float = Field(
+        default=30, gt=0, description="Deliveries done are kept this long (GET /webhooks/{id}/deliveries)."
+    )
+
     # --- the kubernetes executor (TPU JobSets on GKE) ---
     k8s_namespace: str = Field(default="tputune", description="Namespace of the JobSets, Secrets and Lease.")
     k8s_api_server: str | None = Field(
@@ -238,11 +261,18 @@ class Settings(BaseSettings):
             check_bucket(value.removeprefix("gs://").partition("/")[0])
         return value
 
-    @field_validator("allowed_data_roots", "k8s_tpu_machine_types", mode="before")
+    @field_validator("allowed_data_roots", "k8s_tpu_machine_types", "webhook_retry_seconds", mode="before")
     @classmethod
     def _split_roots(cls, value: object) -> object:
         if isinstance(value, str):
             return [part for part in (p.strip() for p in value.split(",")) if part]
+        return value
+
+    @field_validator("webhook_retry_seconds")
+    @classmethod
+    def _retry_waits(cls, value: list[float]) -> list[float]:
+        if any(wait < 0 for wait in value) or len(value) > 50:
+            raise ValueError("at most 50 waits, each 0 seconds or more")
         return value
 
     @property

@@ -18,7 +18,18 @@ from api.models import Job, JobEvent, as_utc, utcnow
 from api.schemas import JobCreate
 from api.settings import Settings
 
-TABLES = {"jobs", "job_events", "job_metadata", "idempotency_keys", "api_keys", "key_usage", "tenants"}
+TABLES = {
+    "jobs",
+    "job_events",
+    "job_metadata",
+    "idempotency_keys",
+    "api_keys",
+    "key_usage",
+    "tenants",
+    "webhooks",
+    "webhook_deliveries",
+    "webhook_cursor",
+}
 
 
 def tables(url: str) -> set[str]:
@@ -296,3 +307,35 @@ def test_jobs_stored_before_pauses_were_never_paused(
     assert pauses() == {**{job.id: 0 for job in jobs}, later.id: 0}
     assert stored() == {**before, later.id: ("queued", 0, 0.0, 0)}
     assert counts() == (4, 10, 4)
+
+
+def test_the_webhook_sender_starts_after_the_events_stored_before(
+    make_settings: Callable[..., Settings], dataset: Path
+) -> None:
+    """0011 adds webhooks: the sender's cursor starts at the last job event stored (an endpoint hears of
+    moves made after it was created: the events before need never be read), 0 with none."""
+    settings = make_settings()
+    url = settings.resolved_database_url
+    downgrade(url, "0010")
+    engine = make_engine(url)
+    spec = JobCreate.model_validate({"name": "j", "model": "tiny", "dataset_uri": str(dataset)})
+    with engine.begin() as connection:
+        write_jobs(connection, [prepare_job(spec, settings, "alpha") for _ in range(3)])
+        last = connection.execute(text("SELECT max(id) FROM job_events")).scalar_one()
+    engine.dispose()
+    upgrade(url)
+    engine = make_engine(url)
+    with engine.connect() as connection:
+        assert connection.execute(text("SELECT id, event_id FROM webhook_cursor")).all() == [(1, last)]
+    engine.dispose()
+    assert last >= 3  # (each job's creation is an event)
+    downgrade(url, "0010")
+    engine = make_engine(url)
+    with engine.begin() as connection:
+        connection.execute(text("DELETE FROM jobs"))
+    engine.dispose()
+    upgrade(url)
+    engine = make_engine(url)
+    with engine.connect() as connection:
+        assert connection.execute(text("SELECT event_id FROM webhook_cursor")).scalar_one() == 0
+    engine.dispose()

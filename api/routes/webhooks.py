@@ -1,0 +1,265 @@
+"""A tenant's webhook endpoints (api.webhooks): told when its jobs start, pause and end."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query, Response
+from pydantic import BaseModel, Field
+from sqlmodel import Session, col, func, select
+
+from api import webhooks as service
+from api.deps import PrincipalDep, SessionDep, SettingsDep, TenantDep, json_response, own_tenant_only
+from api.errors import ApiError
+from api.models import MAX_ID, Webhook, WebhookDelivery, as_utc, utcnow
+from api.schemas import ErrorResponse, error_responses
+from worker.config import Text
+
+router = APIRouter(prefix="/webhooks", tags=["webhooks"], responses=error_responses(401, 413, 422, 429, 503))
+
+EventType = Literal["job.running", "job.paused", "job.succeeded", "job.failed", "job.cancelled"]
+assert set(EventType.__args__) == set(service.EVENT_TYPES)  # type: ignore[attr-defined]
+DEFAULT_EVENTS: tuple[EventType, ...] = ("job.succeeded", "job.failed", "job.cancelled")
+assert DEFAULT_EVENTS == service.DEFAULT_EVENTS
+
+_not_found: dict[int | str, dict[str, Any]] = {
+    404: {"model": ErrorResponse, "description": "No such webhook (or not one of your tenant's)."}
+}
+
+
+class WebhookCreate(BaseModel):
+    url: Annotated[str, Field(min_length=1, max_length=2048)] = Field(
+        description="Where each event is posted (https; a public address unless the server allows others)."
+    )
+    events: list[EventType] = Field(
+        default_factory=lambda: list(DEFAULT_EVENTS),
+        min_length=1,
+        max_length=len(service.EVENT_TYPES),
+        description="The moves to be told of. Default: a job's end (succeeded, failed, cancelled).",
+    )
+    description: Annotated[Text, Field(max_length=256)] | None = None
+    tenant: Annotated[str | None, Field(min_length=1, max_length=64)] = Field(
+        default=None, description="Whose jobs (admin keys only); default: the key's tenant."
+    )
+
+    model_config = {
+        "json_schema_extra": {
+            "examples": [{"url": "https://ci.example.com/tputune", "events": ["job.succeeded", "job.failed"]}]
+        }
+    }
+
+
+class WebhookPublic(BaseModel):
+    id: str
+    object: Literal["webhook"] = "webhook"
+    tenant: str
+    url: str
+    events: list[str]
+    description: str | None
+    created_at: datetime
+
+    @classmethod
+    def of(cls, row: Webhook) -> WebhookPublic:
+        return cls(
+            id=row.id,
+            tenant=row.tenant,
+            url=row.url,
+            events=row.events,
+            description=row.description,
+            created_at=as_utc(row.created_at),  # type: ignore[arg-type]
+        )
+
+
+class WebhookCreated(WebhookPublic):
+    secret: str = Field(
+        description="The signing secret (Standard Webhooks: `whsec_` and base64). It is shown only now: "
+        "store it, and check each delivery's `webhook-signature` with it."
+    )
+
+
+class WebhookList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[WebhookPublic]
+
+
+class DeliveryPublic(BaseModel):
+    id: int
+    object: Literal["webhook.delivery"] = "webhook.delivery"
+    webhook_id: str
+    type: str = Field(description="The event: job.succeeded, ..., or webhook.test.")
+    job_id: str | None
+    status: Literal["pending", "delivered", "failed"] = Field(
+        description="pending: not yet delivered (retried until `next_attempt_at`s run out); failed: given up."
+    )
+    attempts: int
+    created_at: datetime
+    last_attempt_at: datetime | None
+    next_attempt_at: datetime | None
+    response_status: int | None = Field(description="The HTTP status the endpoint last answered.")
+    last_error: str | None = Field(description="Why the last attempt failed.")
+    payload: dict[str, Any] = Field(description="The JSON body posted.")
+
+    @classmethod
+    def of(cls, row: WebhookDelivery) -> DeliveryPublic:
+        assert row.id is not None
+        return cls(
+            id=row.id,
+            webhook_id=row.webhook_id,
+            type=row.type,
+            job_id=row.job_id,
+            status=row.status,  # type: ignore[arg-type]
+            attempts=row.attempts,
+            created_at=as_utc(row.created_at),  # type: ignore[arg-type]
+            last_attempt_at=as_utc(row.last_attempt_at),
+            next_attempt_at=as_utc(row.next_attempt_at),
+            response_status=row.response_status,
+            last_error=row.last_error,
+            payload=json.loads(row.body),
+        )
+
+
+class DeliveryPage(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[DeliveryPublic]
+    has_more: bool
+    next_after: int | None = Field(description="Pass as `after` to get the next (older) page.")
+
+
+def _webhook(session: Session, scope: str | None, webhook_id: str) -> Webhook:
+    row = session.get(Webhook, webhook_id)
+    if row is None or (scope is not None and row.tenant != scope):
+        raise ApiError(
+            404, "webhook_not_found", f"No webhook with id '{webhook_id}'; list yours with GET /webhooks."
+        )
+    return row
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=WebhookCreated,
+    summary="Add a webhook endpoint",
+    responses=error_responses(403, 409),
+)
+def create_webhook(
+    body: WebhookCreate, session: SessionDep, settings: SettingsDep, principal: PrincipalDep
+) -> Response:
+    """Its tenant's jobs' moves (`events`) are posted to `url` from now on, each signed with the secret
+    this answer shows once (Standard Webhooks headers `webhook-id`, `webhook-timestamp`,
+    `webhook-signature`). Failed deliveries are retried with backoff (TPUTUNE_WEBHOOK_RETRY_SECONDS)."""
+    own_tenant_only(body.tenant, principal.scope, "webhooks")
+    tenant = body.tenant or principal.tenant
+    url = service.check_url(body.url, settings)
+    count = session.scalar(select(func.count()).select_from(Webhook).where(Webhook.tenant == tenant)) or 0
+    if count >= settings.webhook_max_per_tenant:
+        raise ApiError(
+            409,
+            "too_many_webhooks",
+            f"Tenant '{tenant}' has {count} webhooks, the most this server allows "
+            f"(TPUTUNE_WEBHOOK_MAX_PER_TENANT); delete one first (DELETE /webhooks/{{id}}).",
+        )
+    events: list[str] = [event for event in service.EVENT_TYPES if event in body.events]  # (in order, once)
+    row = Webhook(
+        id=service.new_webhook_id(),
+        tenant=tenant,
+        url=url,
+        events=events,
+        description=body.description,
+        secret=service.new_secret(),
+        created_by=principal.who,
+    )
+    session.add(row)
+    session.commit()
+    return json_response(WebhookCreated(**WebhookPublic.of(row).model_dump(), secret=row.secret), 201)
+
+
+@router.get("", response_model=WebhookList, summary="List webhook endpoints", responses=error_responses(403))
+def list_webhooks(
+    session: SessionDep,
+    scope: TenantDep,
+    tenant: Annotated[
+        str | None,
+        Query(
+            min_length=1,
+            max_length=64,
+            description="Only this tenant's (admin keys: default all).",
+        ),
+    ] = None,
+) -> Response:
+    """Oldest first; none holds its secret."""
+    own_tenant_only(tenant, scope, "webhooks")
+    query = select(Webhook).order_by(col(Webhook.created_at), col(Webhook.id))
+    if tenant or scope:
+        query = query.where(Webhook.tenant == (tenant or scope))
+    return json_response(WebhookList(data=[WebhookPublic.of(row) for row in session.exec(query).all()]))
+
+
+@router.get(
+    "/{webhook_id}", response_model=WebhookPublic, summary="Get a webhook endpoint", responses=_not_found
+)
+def get_webhook(webhook_id: str, session: SessionDep, scope: TenantDep) -> Response:
+    return json_response(WebhookPublic.of(_webhook(session, scope, webhook_id)))
+
+
+@router.delete(
+    "/{webhook_id}", response_model=WebhookPublic, summary="Delete a webhook endpoint", responses=_not_found
+)
+def delete_webhook(webhook_id: str, session: SessionDep, scope: TenantDep) -> Response:
+    """Nothing more is sent to it, and its deliveries are forgotten."""
+    row = _webhook(session, scope, webhook_id)
+    answer = WebhookPublic.of(row)
+    session.delete(row)
+    session.commit()
+    return json_response(answer)
+
+
+@router.post(
+    "/{webhook_id}/test",
+    status_code=202,
+    response_model=DeliveryPublic,
+    summary="Send a test event to a webhook endpoint",
+    responses=_not_found,
+)
+def test_webhook(webhook_id: str, session: SessionDep, scope: TenantDep) -> Response:
+    """A `webhook.test` event, signed and retried as any other: follow it with GET .../deliveries."""
+    row = _webhook(session, scope, webhook_id)
+    delivery = WebhookDelivery(
+        webhook_id=row.id, type=service.TEST_EVENT, body=service.test_body(row), next_attempt_at=utcnow()
+    )
+    session.add(delivery)
+    session.commit()
+    return json_response(DeliveryPublic.of(delivery), 202)
+
+
+@router.get(
+    "/{webhook_id}/deliveries",
+    response_model=DeliveryPage,
+    summary="List a webhook endpoint's deliveries",
+    responses=_not_found,
+)
+def list_deliveries(
+    webhook_id: str,
+    session: SessionDep,
+    scope: TenantDep,
+    after: Annotated[int | None, Query(ge=1, le=MAX_ID, description="A delivery id: older ones.")] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    status: Annotated[
+        Literal["pending", "delivered", "failed"] | None, Query(description="Only deliveries in this status.")
+    ] = None,
+) -> Response:
+    """Newest first, with how each went (kept TPUTUNE_WEBHOOK_RETENTION_DAYS once done)."""
+    _webhook(session, scope, webhook_id)
+    query = select(WebhookDelivery).where(WebhookDelivery.webhook_id == webhook_id)
+    if after is not None:
+        query = query.where(col(WebhookDelivery.id) < after)
+    if status is not None:
+        query = query.where(WebhookDelivery.status == status)
+    rows = list(session.exec(query.order_by(col(WebhookDelivery.id).desc()).limit(limit + 1)).all())
+    more = len(rows) > limit
+    rows = rows[:limit]
+    page = DeliveryPage(
+        data=[DeliveryPublic.of(row) for row in rows], has_more=more, next_after=rows[-1].id if more else None
+    )
+    return json_response(page)

@@ -1,0 +1,474 @@
+"""Webhooks: endpoints per tenant, signed deliveries of jobs' moves, retries, and the address rules.
+
+The endpoint is a real HTTP server on this machine; the sender is the real one, run a pass at a time
+(`tick`) or, in the last test, in the dispatcher of a running app with a worker process."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import text
+from sqlmodel import Session, select
+
+from api import jobs as service
+from api.main import create_app
+from api.models import Job, JobEvent, WebhookCursor, WebhookDelivery
+from api.settings import Settings
+from api.states import JobStatus
+from api.webhooks import WebhookSender
+from tests.conftest import LiveApi
+from tests.test_auth import ADMIN, bearer, make_key
+
+OPEN = {"webhook_allow_http": True, "webhook_allow_private": True}
+
+
+class Receiver:
+    """An endpoint: records each request (headers, body) and answers the statuses queued in `answers`
+    (then 200)."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.answers: list[int] = []
+        self.fail_once: str | None = None  # an event type: the first request of that type gets a 500
+        self.arrived = threading.Condition()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"])).decode()
+                with receiver.arrived:
+                    status = receiver.answers.pop(0) if receiver.answers else 200
+                    if receiver.fail_once is not None and json.loads(body)["type"] == receiver.fail_once:
+                        receiver.fail_once, status = None, 500
+                    receiver.requests.append(
+                        {
+                            "path": self.path,
+                            "headers": {k.lower(): v for k, v in self.headers.items()},
+                            "body": body,
+                        }
+                    )
+                    receiver.arrived.notify_all()
+                self.send_response(status)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/tputune?team=a"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def events(self) -> list[dict[str, Any]]:
+        return [json.loads(request["body"]) for request in self.requests]
+
+    def wait(self, count: int, timeout: float = 30) -> list[dict[str, Any]]:
+        with self.arrived:
+            if not self.arrived.wait_for(lambda: len(self.requests) >= count, timeout):
+                raise AssertionError(f"{len(self.requests)} requests arrived, not {count}")
+        return self.events()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    endpoint = Receiver()
+    yield endpoint
+    endpoint.server.shutdown()
+    endpoint.server.server_close()
+
+
+@pytest.fixture
+def open_client(make_settings: Callable[..., Settings]) -> Iterator[TestClient]:
+    """The API without the dispatcher, posting to http:// and local endpoints; no retry waits."""
+    settings = make_settings(dispatcher_enabled=False, webhook_retry_seconds=[0.0, 0.0], **OPEN)
+    with TestClient(create_app(settings)) as test_client:
+        yield test_client
+
+
+def sender(client: TestClient, **overrides: Any) -> WebhookSender:
+    settings = client.app.state.settings.model_copy(update=overrides)  # type: ignore[attr-defined]
+    return WebhookSender(client.app.state.engine, settings)  # type: ignore[attr-defined]
+
+
+def drain(send: WebhookSender) -> None:
+    """Passes until one finds nothing to do (a job's moves go one a pass)."""
+    for _ in range(20):
+        if not send.tick():
+            return
+    raise AssertionError("the sender still had work after 20 passes")
+
+
+def verify(secret: str, request: dict[str, Any]) -> bool:
+    """Standard Webhooks' check, written from its specification (not api.webhooks.sign)."""
+    headers = request["headers"]
+    signed = f"{headers['webhook-id']}.{headers['webhook-timestamp']}.{request['body']}".encode()
+    key = base64.b64decode(secret.split("_", 1)[1])
+    expected = base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
+    return any(
+        version == "v1" and hmac.compare_digest(signature, expected)
+        for version, _, signature in (part.partition(",") for part in headers["webhook-signature"].split(" "))
+    )
+
+
+def new_job(client: TestClient, dataset: Path, **headers: str) -> str:
+    body = {"name": "t", "model": "tiny", "dataset_uri": str(dataset)}
+    response = client.post("/jobs", json=body, headers=headers)
+    assert response.status_code == 201, response.text
+    return str(response.json()["id"])
+
+
+def move(client: TestClient, job_id: str, *statuses: JobStatus, **fields: Any) -> None:
+    """Move the job through `statuses` as the dispatcher and workers do (api.jobs.transition)."""
+    with Session(client.app.state.engine, expire_on_commit=False) as session:  # type: ignore[attr-defined]
+        job = session.exec(select(Job).where(Job.id == job_id)).one()
+        for status in statuses:
+            extra = fields if status in (JobStatus.failed,) else {}
+            assert service.transition(session, job, status, **extra)
+
+
+def deliveries(client: TestClient, webhook_id: str, query: str = "", **headers: str) -> list[dict[str, Any]]:
+    response = client.get(f"/webhooks/{webhook_id}/deliveries{query}", headers=headers)
+    assert response.status_code == 200, response.text
+    return list(response.json()["data"])
+
+
+def test_endpoints_are_created_listed_and_deleted_with_the_secret_shown_once(client: TestClient) -> None:
+    created = client.post(
+        "/webhooks",
+        json={"url": "https://ci.example.com/hook", "events": ["job.failed", "job.running", "job.failed"]},
+    )
+    assert created.status_code == 201, created.text
+    hook = created.json()
+    assert hook["id"].startswith("wh_") and hook["tenant"] == "default"
+    assert hook["events"] == ["job.running", "job.failed"]  # (once each, in the order of a job's life)
+    secret = hook.pop("secret")
+    assert secret.startswith("whsec_") and len(base64.b64decode(secret[6:])) == 32
+    default = client.post(
+        "/webhooks", json={"url": "https://ci.example.com/other", "description": "CI"}
+    ).json()
+    assert default["events"] == ["job.succeeded", "job.failed", "job.cancelled"]
+    listed = client.get("/webhooks").json()["data"]
+    assert [row["id"] for row in listed] == [hook["id"], default["id"]]
+    assert all("secret" not in row for row in listed)
+    assert client.get(f"/webhooks/{hook['id']}").json() == hook
+    assert client.delete(f"/webhooks/{hook['id']}").json() == hook
+    gone = client.get(f"/webhooks/{hook['id']}")
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "webhook_not_found"
+    assert [row["id"] for row in client.get("/webhooks").json()["data"]] == [default["id"]]
+
+
+@pytest.mark.parametrize(
+    ("url", "code"),
+    [
+        ("http://ci.example.com/hook", "webhook_url_not_https"),
+        ("https://127.0.0.1/hook", "webhook_url_private"),
+        ("https://10.1.2.3:8443/hook", "webhook_url_private"),
+        ("https://169.254.169.254/computeMetadata/v1/", "webhook_url_private"),
+        ("https://[::1]/hook", "webhook_url_private"),
+        ("https://[::ffff:127.0.0.1]/hook", "webhook_url_private"),
+        ("https://localhost/hook", "webhook_url_private"),
+        ("https://api.localhost/hook", "webhook_url_private"),
+        ("https://user:pass@ci.example.com/hook", "invalid_webhook_url"),
+        ("https://ci.example.com/hook#x", "invalid_webhook_url"),
+        ("https://ci.example.com:99999/hook", "invalid_webhook_url"),
+        ("ftp://ci.example.com/hook", "invalid_webhook_url"),
+        ("not a url", "invalid_webhook_url"),
+    ],
+)
+def test_urls_that_are_refused(client: TestClient, url: str, code: str) -> None:
+    response = client.post("/webhooks", json={"url": url})
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == (code, "url") and error["message"].endswith(".")
+    assert client.get("/webhooks").json()["data"] == []
+
+
+def test_bad_events_and_too_many_endpoints(make_settings: Callable[..., Settings]) -> None:
+    settings = make_settings(dispatcher_enabled=False, webhook_max_per_tenant=2)
+    with TestClient(create_app(settings)) as client:
+        bad = client.post("/webhooks", json={"url": "https://a.example.com", "events": ["job.exploded"]})
+        assert bad.status_code == 422
+        assert (
+            client.post("/webhooks", json={"url": "https://a.example.com", "events": []}).status_code == 422
+        )
+        for _ in range(2):
+            assert client.post("/webhooks", json={"url": "https://a.example.com"}).status_code == 201
+        third = client.post("/webhooks", json={"url": "https://a.example.com"})
+        assert third.status_code == 409 and third.json()["error"]["code"] == "too_many_webhooks"
+
+
+def test_each_tenant_sees_and_hears_only_its_own(
+    make_settings: Callable[..., Settings], dataset: Path, receiver: Receiver
+) -> None:
+    settings = make_settings(dispatcher_enabled=False, admin_key=ADMIN, rate_limit_per_second=0, **OPEN)
+    with TestClient(create_app(settings)) as client:
+        alpha, beta = bearer(make_key(client, "alpha")), bearer(make_key(client, "beta"))
+        assert client.post("/webhooks", json={"url": receiver.url}).status_code == 401
+        hook = client.post("/webhooks", json={"url": receiver.url}, headers=alpha).json()
+        assert hook["tenant"] == "alpha"
+        for method in ("get", "delete"):
+            response = getattr(client, method)(f"/webhooks/{hook['id']}", headers=beta)
+            assert response.status_code == 404, response.text
+        assert client.get(f"/webhooks/{hook['id']}/deliveries", headers=beta).status_code == 404
+        assert client.post(f"/webhooks/{hook['id']}/test", headers=beta).status_code == 404
+        assert client.get("/webhooks", headers=beta).json()["data"] == []
+        assert client.get("/webhooks?tenant=alpha", headers=beta).status_code == 403
+        assert (
+            client.post("/webhooks", json={"url": receiver.url, "tenant": "alpha"}, headers=beta).status_code
+            == 403
+        )
+        # The admin sees every tenant's, and may add one for a tenant.
+        made = client.post("/webhooks", json={"url": receiver.url, "tenant": "beta"}, headers=bearer(ADMIN))
+        assert made.status_code == 201 and made.json()["tenant"] == "beta"
+        assert [row["tenant"] for row in client.get("/webhooks", headers=bearer(ADMIN)).json()["data"]] == [
+            "alpha",
+            "beta",
+        ]
+        # A beta job's end reaches beta's endpoint only; alpha's hears of alpha's job.
+        beta_job, alpha_job = new_job(client, dataset, **beta), new_job(client, dataset, **alpha)
+        move(client, beta_job, JobStatus.cancelled)
+        move(client, alpha_job, JobStatus.starting, JobStatus.running, JobStatus.succeeded)
+        drain(sender(client))
+        heard = {(json.loads(r["body"])["data"]["id"], r["headers"]["webhook-id"]) for r in receiver.requests}
+        assert {job for job, _ in heard} == {beta_job, alpha_job} and len(receiver.requests) == 2
+        assert [d["job_id"] for d in deliveries(client, hook["id"], **alpha)] == [alpha_job]
+        assert [d["job_id"] for d in deliveries(client, made.json()["id"], **beta)] == [beta_job]
+
+
+def test_a_jobs_end_is_posted_signed_and_retried_until_delivered(
+    open_client: TestClient, dataset: Path, receiver: Receiver
+) -> None:
+    client = open_client
+    hook = client.post("/webhooks", json={"url": receiver.url}).json()
+    job_id = new_job(client, dataset)
+    move(client, job_id, JobStatus.starting, JobStatus.running, JobStatus.succeeded)
+    receiver.answers = [500]
+    send = sender(client)
+    send.tick()  # the first attempt gets a 500
+    assert len(receiver.requests) == 1
+    [first] = deliveries(client, hook["id"])
+    assert (first["status"], first["attempts"], first["response_status"]) == ("pending", 1, 500)
+    assert first["last_error"] == "HTTP 500" and first["next_attempt_at"] is not None
+    send.tick()  # the retry (no wait: TPUTUNE_WEBHOOK_RETRY_SECONDS=0,0) gets a 200
+    send.tick()  # and nothing more is sent
+    assert len(receiver.requests) == 2
+    [done] = deliveries(client, hook["id"])
+    assert (done["status"], done["attempts"], done["response_status"]) == ("delivered", 2, 200)
+    assert done["next_attempt_at"] is None and done["last_error"] is None
+    # Both attempts: the same message (its id too), signed with the endpoint's secret.
+    one, two = receiver.requests
+    assert one["body"] == two["body"] and one["headers"]["webhook-id"] == two["headers"]["webhook-id"]
+    assert one["path"] == "/hooks/tputune?team=a"
+    assert one["headers"]["content-type"] == "application/json"
+    assert abs(int(two["headers"]["webhook-timestamp"]) - time.time()) < 60
+    event = json.loads(one["body"])
+    assert event["id"] == one["headers"]["webhook-id"] and event["object"] == "event"
+    assert event["type"] == "job.succeeded" and done["payload"] == event
+    assert event["data"] == {
+        "id": job_id,
+        "object": "job",
+        "status": "succeeded",
+        "previous_status": "running",
+        "tenant": "default",
+        "error": None,
+    }
+    # The secret is not in any answer after the creation: it is read here from where the server keeps it.
+    with Session(client.app.state.engine) as session:  # type: ignore[attr-defined]
+        secret = session.exec(text("SELECT secret FROM webhooks")).scalar_one()  # type: ignore[call-overload]
+    assert verify(secret, one) and verify(secret, two)
+    assert not verify(secret, {**one, "body": one["body"].replace("succeeded", "failed")})
+
+
+def test_only_the_moves_asked_for_and_made_after_the_endpoint(
+    open_client: TestClient, dataset: Path, receiver: Receiver
+) -> None:
+    client = open_client
+    early = new_job(client, dataset)
+    move(client, early, JobStatus.cancelled)  # before any endpoint
+    hook = client.post(
+        "/webhooks", json={"url": receiver.url, "events": ["job.running", "job.failed"]}
+    ).json()
+    job_id = new_job(client, dataset)
+    move(client, job_id, JobStatus.starting, JobStatus.running)
+    move(client, job_id, JobStatus.failed, error_code="worker_failed", error_message="The worker exited 1.")
+    other = new_job(client, dataset)
+    move(client, other, JobStatus.cancelled)  # not asked for
+    drain(sender(client))
+    events = receiver.events()
+    assert [(e["type"], e["data"]["id"]) for e in events] == [("job.running", job_id), ("job.failed", job_id)]
+    assert events[1]["data"]["error"] == {"code": "worker_failed", "message": "The worker exited 1."}
+    assert events[1]["data"]["previous_status"] == "running"
+    assert {d["type"] for d in deliveries(client, hook["id"])} == {"job.running", "job.failed"}
+
+
+def test_a_jobs_moves_reach_an_endpoint_in_order(
+    open_client: TestClient, dataset: Path, receiver: Receiver
+) -> None:
+    """Its later move is not sent while the earlier one waits for a retry; another job's is."""
+    client = open_client
+    client.post(
+        "/webhooks", json={"url": receiver.url, "events": ["job.running", "job.succeeded", "job.cancelled"]}
+    )
+    job_id = new_job(client, dataset)
+    move(client, job_id, JobStatus.starting, JobStatus.running, JobStatus.succeeded)
+    other = new_job(client, dataset)
+    move(client, other, JobStatus.cancelled)
+    receiver.fail_once = "job.running"
+    send = sender(client)
+    send.tick()
+    assert sorted(e["type"] for e in receiver.events()) == ["job.cancelled", "job.running"]
+    drain(send)
+    assert [e["type"] for e in receiver.events() if e["data"]["id"] == job_id] == [
+        "job.running",  # (the 500)
+        "job.running",
+        "job.succeeded",
+    ]
+
+
+def test_a_delivery_gives_up_after_its_retries(
+    open_client: TestClient, dataset: Path, receiver: Receiver
+) -> None:
+    client = open_client
+    hook = client.post("/webhooks", json={"url": receiver.url}).json()
+    move(client, new_job(client, dataset), JobStatus.cancelled)
+    receiver.answers = [503, 503, 503, 503]
+    send = sender(client)
+    for _ in range(5):
+        send.tick()
+    assert len(receiver.requests) == 3  # the first attempt and two retries (TPUTUNE_WEBHOOK_RETRY_SECONDS)
+    [failed] = deliveries(client, hook["id"])
+    assert (failed["status"], failed["attempts"], failed["last_error"]) == ("failed", 3, "HTTP 503")
+    assert deliveries(client, hook["id"], "?status=pending") == []
+    metrics = client.get("/metrics").text
+    assert 'tputune_webhook_deliveries{status="failed"} 1.0' in metrics
+    assert 'tputune_webhook_deliveries{status="pending"} 0.0' in metrics
+
+
+def test_a_host_that_resolves_to_a_private_address_is_not_posted_to(
+    open_client: TestClient, dataset: Path, receiver: Receiver
+) -> None:
+    """The server's rules tightened after the endpoint was made (or a public name that now resolves to a
+    private address): checked when each delivery is sent, and nothing is posted."""
+    client = open_client
+    hook = client.post("/webhooks", json={"url": receiver.url.replace("127.0.0.1", "localhost")}).json()
+    move(client, new_job(client, dataset), JobStatus.cancelled)
+    sender(client, webhook_allow_private=False).tick()
+    assert receiver.requests == []
+    [refused] = deliveries(client, hook["id"])
+    assert refused["status"] == "pending" and refused["response_status"] is None
+    assert "resolves to a private or local address (127.0.0.1)" in refused["last_error"]
+    sender(client).tick()  # allowed again: sent
+    assert len(receiver.requests) == 1 and receiver.requests[0]["headers"]["host"].startswith("localhost:")
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+def test_an_event_committed_after_a_later_one_is_not_missed(
+    open_client: TestClient, dataset: Path, receiver: Receiver
+) -> None:
+    """PostgreSQL takes event ids at insert time: a transaction may commit its event after another took a
+    later id and committed. The sender's cursor must not have moved past the first meanwhile."""
+    client = open_client
+    client.post("/webhooks", json={"url": receiver.url})
+    slow, quick = new_job(client, dataset), new_job(client, dataset)
+    engine = client.app.state.engine  # type: ignore[attr-defined]
+    with Session(engine, expire_on_commit=False) as held:
+        job = held.exec(select(Job).where(Job.id == slow)).one()
+        held.add(
+            JobEvent(
+                job_seq=job.seq,
+                type="status",
+                message="queued → cancelled",
+                data={"status": "cancelled", "from": "queued"},
+            )
+        )
+        held.flush()  # its id is taken, not yet committed
+        move(client, quick, JobStatus.cancelled)  # a later id, committed
+        send = sender(client)
+        send.tick()
+        assert [e["data"]["id"] for e in receiver.events()] == [quick]
+        held.commit()
+    send.tick()
+    assert sorted(e["data"]["id"] for e in receiver.events()) == sorted([quick, slow])
+    send.tick()
+    assert len(receiver.requests) == 2
+
+
+def test_the_cursor_moves_on_without_endpoints(open_client: TestClient, dataset: Path) -> None:
+    """With no endpoint the sender reads no events, but moves its cursor on (an endpoint made later does
+    not make it read the past)."""
+    client = open_client
+    move(client, new_job(client, dataset), JobStatus.cancelled)
+    send = sender(client)
+    send.grace = 0.0
+    send.tick()
+    with Session(client.app.state.engine) as session:  # type: ignore[attr-defined]
+        cursor = session.get(WebhookCursor, 1)
+        last = session.exec(text("SELECT max(id) FROM job_events")).scalar_one()  # type: ignore[call-overload]
+        assert cursor is not None and cursor.event_id == last > 0
+        assert session.exec(select(WebhookDelivery)).all() == []
+
+
+def test_the_dispatcher_sends_them_for_a_job_a_worker_runs(
+    live_api: Callable[..., LiveApi], dataset: Path, receiver: Receiver
+) -> None:
+    """The whole path: a worker process runs the job and reports to the API (uvicorn on a port), the
+    dispatcher (a thread of the app) sends."""
+    api = live_api(dispatcher_process=False, **OPEN)
+    with api.client() as http:
+        hook = http.post("/webhooks", json={"url": receiver.url, "events": ["job.running", "job.succeeded"]})
+        hook_id = hook.json()["id"]
+        ping = http.post(f"/webhooks/{hook_id}/test")
+        assert ping.status_code == 202 and ping.json()["type"] == "webhook.test"
+        job = http.post("/jobs", json={"name": "t", "model": "tiny", "dataset_uri": str(dataset)})
+        job_id = job.json()["id"]
+        events = receiver.wait(3)
+        assert events[0]["type"] == "webhook.test" and events[0]["data"]["webhook_id"] == hook_id
+        assert [(e["type"], e["data"]["id"]) for e in events[1:]] == [
+            ("job.running", job_id),
+            ("job.succeeded", job_id),
+        ]
+        assert http.get(f"/jobs/{job_id}").json()["status"] == "succeeded"
+        done = http.get(f"/webhooks/{hook_id}/deliveries").json()["data"]
+        assert [d["status"] for d in done] == ["delivered"] * 3
+
+
+def test_webhooks_commands(live_api: Callable[..., LiveApi], receiver: Receiver, capsys: Any) -> None:
+    from api.cli import main
+
+    api = live_api(dispatcher_process=False, **OPEN)
+
+    def run(*argv: str) -> str:
+        assert main(["--api-url", api.url, "webhooks", *argv]) == 0
+        return str(capsys.readouterr().out)
+
+    out = run("create", receiver.url, "--events", "job.failed,job.running", "--description", "CI")
+    hook_id, secret = out.split()[1], out.splitlines()[-1]
+    assert out.startswith(f"created {hook_id} for tenant default (job.running, job.failed);")
+    assert secret.startswith("whsec_")
+    listed = run("list")
+    assert hook_id in listed and receiver.url in listed and secret not in listed
+    assert "job.running,job.failed" in listed
+    assert f"tputune webhooks deliveries {hook_id}" in run("test", hook_id)
+    [ping] = receiver.wait(1)
+    assert ping["type"] == "webhook.test" and verify(secret, receiver.requests[0])
+    deadline = time.monotonic() + 10
+    while "delivered" not in (table := run("deliveries", hook_id)):  # (recorded after the post's answer)
+        assert time.monotonic() < deadline, table
+        time.sleep(0.1)
+    row = table.splitlines()[1].split()
+    assert row[3:7] == ["webhook.test", "-", "delivered", "1"] and row[-1] == "200"
+    assert run("deliveries", hook_id, "--status", "failed").splitlines()[1:] == []
+    assert run("delete", hook_id) == f"{hook_id} deleted\n"
+    assert hook_id not in run("list")
