@@ -33,16 +33,23 @@ TRAINING_FILES = {
     f"tests/worker/test_{name}.py" for name in ("e2e", "distributed", "checkpoint", "gguf_import", "train")
 }
 
+# Files whose tests rely on running in file order, in one process (a test checks what the one before left).
+IN_ORDER_FILES = {"tests/test_support.py"}
+
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """pytest-xdist's scheduler by scopes (work units), each test a scope of its own but the training tests,
-    one scope together; the biggest scope first (`--loadscope-reorder`, the default). (`--dist loadgroup`
-    with `xdist_group` marks would do it, but it ignores the marks under pytest 9.2: pytest-xdist#1386.)"""
+    one scope together, and each of IN_ORDER_FILES; the biggest scope first (`--loadscope-reorder`, the
+    default). (`--dist loadgroup` with `xdist_group` marks would do it, but it ignores the marks under
+    pytest 9.2: pytest-xdist#1386.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class TrainingApart(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "training" if nodeid.split("::")[0] in TRAINING_FILES else nodeid
+            path = nodeid.split("::")[0]
+            if path in TRAINING_FILES:
+                return "training"
+            return path if path in IN_ORDER_FILES else nodeid
 
     return TrainingApart(config, log)
 
