@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Column, DateTime, Index, Integer, UniqueConstraint, false
+from sqlalchemy import JSON, BigInteger, Column, DateTime, Index, Integer, Text, UniqueConstraint, false
 from sqlmodel import Field, SQLModel
 
 from worker.config import JobSpec
@@ -216,7 +216,7 @@ class WebhookDelivery(SQLModel, table=True):
     event_id: int | None = Field(default=None, sa_type=BigInteger)
     type: str = Field(max_length=32)
     job_id: str | None = Field(default=None, max_length=32)
-    body: str = Field(max_length=8000)
+    body: str = Field(sa_column=Column(Text, nullable=False))
     status: str = Field(default="pending", max_length=16)  # pending, delivered, failed
     attempts: int = 0
     created_at: datetime = Field(default_factory=utcnow, sa_type=DateTime(timezone=True), nullable=False)

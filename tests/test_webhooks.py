@@ -336,6 +336,20 @@ def test_a_jobs_moves_reach_an_endpoint_in_order(
     ]
 
 
+def test_the_longest_error_message_is_sent_whole(
+    open_client: TestClient, dataset: Path, receiver: Receiver
+) -> None:
+    client = open_client
+    client.post("/webhooks", json={"url": receiver.url})
+    job_id = new_job(client, dataset)
+    message = "échec: " + "données ✗ " * 399  # 4,000 characters, the most a job's error holds
+    assert len(message) <= 4000
+    move(client, job_id, JobStatus.failed, error_code="bad_input", error_message=message)
+    drain(sender(client))
+    [event] = receiver.events()
+    assert event["data"]["error"] == {"code": "bad_input", "message": message}
+
+
 def test_a_delivery_gives_up_after_its_retries(
     open_client: TestClient, dataset: Path, receiver: Receiver
 ) -> None:

@@ -50,7 +50,7 @@ def upgrade() -> None:
         sa.Column("event_id", sa.BigInteger(), nullable=True),
         sa.Column("type", sqlmodel.sql.sqltypes.AutoString(length=32), nullable=False),
         sa.Column("job_id", sqlmodel.sql.sqltypes.AutoString(length=32), nullable=True),
-        sa.Column("body", sqlmodel.sql.sqltypes.AutoString(length=8000), nullable=False),
+        sa.Column("body", sa.Text(), nullable=False),
         sa.Column("status", sqlmodel.sql.sqltypes.AutoString(length=16), nullable=False),
         sa.Column("attempts", sa.Integer(), nullable=False),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
