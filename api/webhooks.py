@@ -41,7 +41,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
-from sqlalchemy import delete, func
+from sqlalchemy import delete, func, tuple_
 from sqlalchemy import select as sa_select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
@@ -61,6 +61,7 @@ TEST_EVENT = "webhook.test"
 PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
 SECRET_PREFIX = "whsec_"
 CURSOR_GRACE_SECONDS = 60.0  # PostgreSQL: longer than any transaction that writes job events
+LATE_CHECK_SECONDS = 5.0  # PostgreSQL: how often the events after the cursor are read again
 SCAN_PAGE = 1_000  # status events one pass reads at most
 SEND_PAGE = 256  # due deliveries one pass reads at most
 PER_ENDPOINT = 8  # of those, the most it sends to one endpoint (one round of SENDERS)
@@ -239,6 +240,7 @@ class WebhookSender:
         self.is_leader = is_leader
         self.interval = interval if interval is not None else settings.dispatch_interval_seconds
         self.grace = 0.0 if engine.dialect.name == "sqlite" else CURSOR_GRACE_SECONDS
+        self.late_check_seconds = LATE_CHECK_SECONDS
         # (endpoint, event) pairs written since the cursor (or found written): not written again while
         # their events are read again (PostgreSQL's grace)
         self._written: set[tuple[str, int]] = set()
@@ -248,6 +250,8 @@ class WebhookSender:
         self._pool: ThreadPoolExecutor | None = None
         self._client: httpx.Client | None = None
         self._last_cleanup = 0.0
+        self._seen: int | None = None  # the last event id this process read (None: the cursor's)
+        self._late_checked = 0.0  # (time.monotonic)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run, name="tputune-webhooks", daemon=True)
@@ -297,8 +301,12 @@ class WebhookSender:
     # --- events into deliveries ---
 
     def scan(self) -> bool:
-        """Write the deliveries of the status events after the cursor; move the cursor. True if it read a
-        full page (more wait)."""
+        """Write the deliveries of the status events not yet read; move the cursor. True if it read a full
+        page (more wait).
+
+        Each pass reads the events after the last one this process read (`_seen`). On PostgreSQL, every
+        LATE_CHECK_SECONDS it also reads again those after the cursor (an event committed late, behind one
+        read already), and moves the cursor up to the events older than the grace."""
         with session_scope(self.engine) as session:
             cursor = session.get(WebhookCursor, 1)
             if cursor is None:  # (a database made without the migrations: from the last event on)
@@ -307,20 +315,33 @@ class WebhookSender:
                 session.add(cursor)
                 session.commit()
             start = cursor.event_id
-            horizon = self._horizon(session, start)
+            seen = max(self._seen or 0, start)
+            # The events to read now: up to the last one visible (read first: SQLite's reads stop there).
+            top = session.scalar(sa_select(func.max(JobEvent.id)).where(col(JobEvent.id) > seen)) or seen
+            late = self.grace > 0 and time.monotonic() - self._late_checked >= self.late_check_seconds
+            horizon = None
+            if self.grace == 0:
+                horizon = top
+            elif late:
+                horizon = self._horizon(session, start)
+                self._late_checked = time.monotonic()
             hooks = list(session.exec(select(Webhook)).all())
             full = False
             if hooks:
-                rows = self._status_events(session, start, sorted({hook.tenant for hook in hooks}))
-                full = len(rows) == SCAN_PAGE
-                if full:
-                    horizon = min(horizon, rows[-1].id)
+                tenants = {hook.tenant for hook in hooks}
+                rows, last, full = self._status_events(session, seen, tenants, top, SCAN_PAGE)
+                if late and seen > start:
+                    self._write(session, hooks, self._status_events(session, start, tenants, seen)[0])
                 self._write(session, hooks, rows)
-            if horizon > start:
-                cursor.event_id = horizon
+                seen = last if full and last is not None else top
+            else:
+                seen = top
+            self._seen = seen
+            if horizon is not None and min(horizon, seen) > start:
+                cursor.event_id = min(horizon, seen)
                 cursor.updated_at = utcnow()
                 session.add(cursor)
-                self._written = {pair for pair in self._written if pair[1] > horizon}
+                self._written = {pair for pair in self._written if pair[1] > cursor.event_id}
             session.commit()
         return full
 
@@ -331,24 +352,43 @@ class WebhookSender:
             query = query.where(col(JobEvent.created_at) < utcnow() - timedelta(seconds=self.grace))
         return session.scalar(query) or after
 
-    def _status_events(self, session: Session, after: int, tenants: list[str]) -> list[Any]:
+    def _status_events(
+        self,
+        session: Session,
+        after: int,
+        tenants: set[str],
+        until: int | None = None,
+        limit: int | None = None,
+    ) -> tuple[list[Any], int | None, bool]:
+        """The status events with ids in (after, until], oldest first, `limit` at most: those of `tenants`'
+        jobs, the last id read, and whether it read `limit`. (The events first, then their jobs by key:
+        joined in one plan, PostgreSQL may read every job of the tenants.)"""
         events, jobs = JobEvent.__table__, Job.__table__  # type: ignore[attr-defined]
+        page = sa_select(events.c.id, events.c.created_at, events.c.data, events.c.job_seq).where(
+            events.c.id > after, events.c.type == "status"
+        )
+        if until is not None:
+            page = page.where(events.c.id <= until)
+        page = page.order_by(events.c.id)
+        if limit is not None:
+            page = page.limit(limit)
+        read = page.subquery()
         query = (
             sa_select(
-                events.c.id,
-                events.c.created_at,
-                events.c.data,
+                read.c.id,
+                read.c.created_at,
+                read.c.data,
                 jobs.c.id.label("job_id"),
                 jobs.c.tenant,
                 jobs.c.error_code,
                 jobs.c.error_message,
             )
-            .join(jobs, jobs.c.seq == events.c.job_seq)
-            .where(events.c.id > after, events.c.type == "status", jobs.c.tenant.in_(tenants))
-            .order_by(events.c.id)
-            .limit(SCAN_PAGE)
+            .join(jobs, jobs.c.seq == read.c.job_seq)
+            .order_by(read.c.id)
         )
-        return list(session.connection().execute(query).all())
+        rows = list(session.connection().execute(query).all())
+        last = rows[-1].id if rows else None
+        return [row for row in rows if row.tenant in tenants], last, limit is not None and len(rows) == limit
 
     def _write(self, session: Session, hooks: list[Webhook], rows: Sequence[Any]) -> None:
         by_tenant: dict[str, list[Webhook]] = {}
@@ -400,32 +440,40 @@ class WebhookSender:
         """Post the deliveries that are due (SEND_PAGE at most, SENDERS at once) and record how each went.
         A job's later move waits for its earlier one to be delivered or given up. True if it sent any."""
         deliveries, hooks = WebhookDelivery.__table__, Webhook.__table__  # type: ignore[attr-defined]
-        earlier = deliveries.alias("earlier")
-        now = utcnow()
         query = (
-            sa_select(deliveries.c.id, deliveries.c.body, deliveries.c.attempts, hooks.c.id.label("hook"))
-            .add_columns(hooks.c.url, hooks.c.secret)
+            sa_select(deliveries.c.id, deliveries.c.body, deliveries.c.attempts, deliveries.c.job_id)
+            .add_columns(hooks.c.id.label("hook"), hooks.c.url, hooks.c.secret)
             .join(hooks, hooks.c.id == deliveries.c.webhook_id)
-            .where(deliveries.c.status == PENDING, deliveries.c.next_attempt_at <= now)
-            .where(  # a job's moves reach an endpoint in order: one at a time, the oldest first
-                ~sa_select(earlier.c.id)
-                .where(
-                    earlier.c.webhook_id == deliveries.c.webhook_id,
-                    earlier.c.job_id == deliveries.c.job_id,
-                    earlier.c.id < deliveries.c.id,
-                    earlier.c.status == PENDING,
-                )
-                .exists()
-            )
+            .where(deliveries.c.status == PENDING, deliveries.c.next_attempt_at <= utcnow())
             .order_by(deliveries.c.next_attempt_at, deliveries.c.id)
             .limit(SEND_PAGE)
         )
         with self.engine.connect() as connection:
             rows = list(connection.execute(query).all())
-        # A few an endpoint a pass: one that times out on every post must not hold up every other's.
+            # A few an endpoint a pass: one that times out on every post must not hold up every other's.
+            # A job's moves reach an endpoint in order: of a job's, only its oldest pending delivery is
+            # sent (which may wait for a retry, and not be due). Looked up for the candidates only.
+            per_hook: dict[str, int] = {}
+            candidates = []
+            for row in rows:
+                per_hook[row.hook] = per_hook.get(row.hook, 0) + 1
+                if per_hook[row.hook] <= 2 * PER_ENDPOINT:
+                    candidates.append(row)
+            pairs = sorted({(row.hook, row.job_id) for row in candidates if row.job_id is not None})
+            first: dict[tuple[str, str], int] = {}
+            if pairs:
+                pair = tuple_(deliveries.c.webhook_id, deliveries.c.job_id)
+                oldest = (
+                    sa_select(deliveries.c.webhook_id, deliveries.c.job_id, func.min(deliveries.c.id))
+                    .where(deliveries.c.status == PENDING, pair.in_(pairs))
+                    .group_by(deliveries.c.webhook_id, deliveries.c.job_id)
+                )
+                first = {(hook, job): seq for hook, job, seq in connection.execute(oldest)}
         taken: dict[str, int] = {}
         due = []
-        for row in rows:
+        for row in candidates:
+            if row.job_id is not None and first.get((row.hook, row.job_id)) != row.id:
+                continue
             taken[row.hook] = taken.get(row.hook, 0) + 1
             if taken[row.hook] <= PER_ENDPOINT:
                 due.append(row)
