@@ -63,7 +63,7 @@ def test_root_redirects_and_pages_are_served(client: TestClient) -> None:
     assert root.status_code == 307 and root.headers["location"] == "/ui/"
     assert client.get("/ui", follow_redirects=False).headers["location"].endswith("/ui/")
     pages = (("/ui/", "jobs.js"), ("/ui/jobs/ft-anything", "job.js"), ("/ui/keys", "keys.js"))
-    for path, script in (*pages, ("/ui/tenants", "tenants.js")):
+    for path, script in (*pages, ("/ui/tenants", "tenants.js"), ("/ui/webhooks", "webhooks.js")):
         page = client.get(path)
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert f'src="/ui/static/{script}"' in page.text
@@ -852,3 +852,56 @@ def test_a_revoked_keys_stream_stops_and_asks_to_sign_in(
         "Live updates stopped: The API key of this stream was revoked or has expired; sign in with a new one."
     )
     expect(page.locator("#signin")).to_be_visible()
+
+
+def test_the_webhooks_page_adds_tests_and_deletes_an_endpoint(
+    live_api: Callable[..., LiveApi], open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    from tests.test_webhooks import OPEN, Receiver, verify
+
+    receiver = Receiver()
+    try:
+        api = live_api(dispatcher_process=False, **OPEN)
+        tab = open_tab(api, "/ui/")
+        page = tab.page
+        page.get_by_role("link", name="Webhooks").click()
+        expect(page).to_have_url(f"{api.url}/ui/webhooks")
+        rows = page.locator("#webhooks tbody tr")
+        expect(rows).to_have_count(0)
+
+        page.get_by_label("URL").fill("ftp://ci.example.com/hook")
+        page.get_by_role("button", name="Add endpoint").click()
+        expect(page.locator("#webhooks-error")).to_have_text(
+            "The webhook URL must be an https:// URL with a host, e.g. https://example.com/hook."
+        )
+        tab.errors.clear()  # (the browser's line for that 422)
+        page.get_by_label("URL").fill(receiver.url)
+        page.get_by_label("job.running").check()
+        page.get_by_label("job.cancelled").uncheck()
+        page.get_by_label("Description").fill("CI")
+        page.get_by_role("button", name="Add endpoint").click()
+        secret = page.locator("#secret-key")
+        expect(secret).to_have_text(re.compile(r"^whsec_"))
+        expect(page.locator("#webhooks-error")).to_be_hidden()
+        expect(rows).to_have_count(1)
+        hook_id = rows.first.get_attribute("data-webhook-id")
+        expect(rows.first.locator("td").nth(2)).to_have_text("job.running, job.succeeded, job.failed")
+        expect(page.get_by_label("URL")).to_have_value("")  # (the form is cleared)
+
+        page.get_by_role("button", name=f"Send a test event to {hook_id}").click()
+        delivered = page.locator("#deliveries tbody tr")
+        expect(delivered).to_have_count(1)
+        expect(delivered.first.locator("td").nth(3)).to_have_text("delivered", timeout=15_000)  # (re-read)
+        expect(delivered.first.locator("td").nth(5)).to_have_text("HTTP 200")
+        screenshot(page, "webhooks")
+        [ping] = receiver.wait(1)
+        assert ping["type"] == "webhook.test" and verify(secret.inner_text(), receiver.requests[0])
+
+        page.once("dialog", lambda dialog: dialog.accept())
+        page.get_by_role("button", name=f"Delete {hook_id}").click()
+        expect(rows).to_have_count(0)
+        expect(page.locator("#deliveries-card")).to_be_hidden()
+        tab.assert_clean()
+    finally:
+        receiver.server.shutdown()
+        receiver.server.server_close()

@@ -47,6 +47,12 @@ def tenants_page() -> FileResponse:
     return FileResponse(STATIC_DIR / "tenants.html", headers=_HEADERS)
 
 
+@router.get("/ui/webhooks")
+def webhooks_page() -> FileResponse:
+    """Webhooks: the team's endpoints (every team's with an admin key), added, tested and deleted."""
+    return FileResponse(STATIC_DIR / "webhooks.html", headers=_HEADERS)
+
+
 @router.get("/ui/jobs/{job_id}")
 def job_page(job_id: str) -> FileResponse:
     """One page for every id: the script reads the id from the URL and shows the API's 404 sentence."""

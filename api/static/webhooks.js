@@ -1,0 +1,121 @@
+// The webhooks page: GET /webhooks, and add, test and delete endpoints; an endpoint's deliveries.
+import { api, el } from "./common.js";
+
+const tbody = document.querySelector("#webhooks tbody");
+const deliveries = document.querySelector("#deliveries tbody");
+const error = document.getElementById("webhooks-error");
+const REFRESH_MS = 5000;
+let shown = null; // the endpoint whose deliveries are shown
+
+function when(stamp) {
+  return stamp ? stamp.slice(0, 16).replace("T", " ") : "";
+}
+
+async function act(action) {
+  try {
+    await action();
+    error.hidden = true;
+  } catch (err) {
+    error.textContent = err.message;
+    error.hidden = false;
+  }
+  await refresh();
+}
+
+function button(text, label, onClick) {
+  const node = el("button", { text, attrs: { type: "button", "aria-label": label } });
+  node.addEventListener("click", onClick);
+  return node;
+}
+
+function actions(hook) {
+  const test = button("Send test", `Send a test event to ${hook.id}`, () =>
+    act(async () => {
+      await api(`/webhooks/${encodeURIComponent(hook.id)}/test`, { method: "POST" });
+      shown = hook;
+    }),
+  );
+  const show = button("Deliveries", `Deliveries of ${hook.id}`, () => {
+    shown = hook;
+    refresh();
+  });
+  const remove = button("Delete", `Delete ${hook.id}`, () => {
+    if (!confirm(`Delete ${hook.id} (${hook.url})? Nothing more is sent to it.`)) return;
+    act(async () => {
+      await api(`/webhooks/${encodeURIComponent(hook.id)}`, { method: "DELETE" });
+      if (shown?.id === hook.id) shown = null;
+    });
+  });
+  return [test, " ", show, " ", remove];
+}
+
+function row(hook) {
+  const what = [el("span", { text: hook.url, className: "mono" }), el("br"), el("small", { text: hook.id, className: "muted mono" })];
+  if (hook.description) what.push(el("br"), el("small", { text: hook.description }));
+  return el("tr", { attrs: { "data-webhook-id": hook.id } }, [
+    el("td", {}, what),
+    el("td", { text: hook.tenant }),
+    el("td", { text: hook.events.join(", ") }),
+    el("td", { text: when(hook.created_at) }),
+    el("td", {}, actions(hook)),
+  ]);
+}
+
+function lastAnswer(delivery) {
+  const answer = delivery.last_error ?? (delivery.response_status ? `HTTP ${delivery.response_status}` : "");
+  if (delivery.status === "pending" && delivery.next_attempt_at) {
+    return `${answer}${answer ? "; " : ""}next try ${when(delivery.next_attempt_at)}`;
+  }
+  return answer;
+}
+
+function deliveryRow(delivery) {
+  return el("tr", { attrs: { "data-delivery-id": String(delivery.id) } }, [
+    el("td", { text: when(delivery.created_at) }),
+    el("td", { text: delivery.type }),
+    el("td", { text: delivery.job_id ?? "—", className: "mono" }),
+    el("td", { text: delivery.status, className: `delivery-${delivery.status}` }),
+    el("td", { text: String(delivery.attempts) }),
+    el("td", { text: lastAnswer(delivery) }),
+  ]);
+}
+
+async function refresh() {
+  try {
+    const page = await api("/webhooks");
+    tbody.replaceChildren(...page.data.map(row));
+    const card = document.getElementById("deliveries-card");
+    if (shown && page.data.some((hook) => hook.id === shown.id)) {
+      const listed = await api(`/webhooks/${encodeURIComponent(shown.id)}/deliveries?limit=20`);
+      document.getElementById("deliveries-title").textContent = `Deliveries to ${shown.url}`;
+      deliveries.replaceChildren(...listed.data.map(deliveryRow));
+      card.hidden = false;
+    } else {
+      card.hidden = true;
+    }
+  } catch (err) {
+    error.textContent = err.message;
+    error.hidden = false;
+  }
+}
+
+document.getElementById("create").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const form = new FormData(event.target);
+  const body = { url: form.get("url"), events: form.getAll("events") };
+  if (form.get("description")) body.description = form.get("description");
+  act(async () => {
+    const created = await api("/webhooks", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(body),
+    });
+    document.getElementById("secret-what").textContent = `Endpoint ${created.id} added for ${created.tenant}.`;
+    document.getElementById("secret-key").textContent = created.secret;
+    document.getElementById("secret").hidden = false;
+    event.target.reset();
+  });
+});
+
+refresh();
+setInterval(refresh, REFRESH_MS);
