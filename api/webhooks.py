@@ -9,10 +9,11 @@ and posts the deliveries that are due, retrying with backoff. At least once: an 
 twice (`webhook-id` is the same each time, to drop the second).
 
 On PostgreSQL event ids are taken when a transaction inserts, and it may commit after one that took a
-later id: a reader that had moved its cursor past the later one would never see the earlier. The cursor
-moves only past events older than CURSOR_GRACE_SECONDS (their transactions ended long since); the newer
-ones are read again on every pass (delivered at once, and once: a delivery is unique per endpoint and
-event). SQLite writes one transaction at a time, so its ids come in commit order.
+later id: a reader that had moved past the later one would never see the earlier. Each pass reads the
+events after the last one it read (delivered at once); every LATE_CHECK_SECONDS it reads again those
+after the cursor, which moves only past events older than CURSOR_GRACE_SECONDS (their transactions ended
+long since), and writes what it missed (once: a delivery is unique per endpoint and event). SQLite writes
+one transaction at a time, so its ids come in commit order.
 
 An endpoint's URL comes from a user and the server posts from inside the cluster: it must be https, and
 it must not lead to a private address (the metadata server, the cluster's services) unless the server
@@ -99,7 +100,7 @@ def check_url(url: str, settings: Settings) -> str:
     not now: it may not resolve yet, and what it resolves to may change."""
     try:
         parts = urlsplit(url.strip())
-        port = parts.port
+        _ = parts.port  # (a port out of range raises)
     except ValueError as exc:
         message = f"The webhook URL is not a valid URL ({exc}); give e.g. https://example.com/hook."
         raise _invalid_url(message) from None
@@ -132,7 +133,6 @@ def check_url(url: str, settings: Settings) -> str:
                 "public ones (TPUTUNE_WEBHOOK_ALLOW_PRIVATE).",
                 "webhook_url_private",
             )
-    del port  # (read above: a port out of range raises there)
     return urlunsplit(parts)
 
 
@@ -190,7 +190,7 @@ def event_body(event_id: int, event_type: str, created: datetime, data: dict[str
     )
 
 
-def test_body(webhook: Webhook) -> str:
+def ping_body(webhook: Webhook) -> str:
     payload = {
         "id": "evt_test_" + secrets.token_hex(8),
         "object": "event",
@@ -233,12 +233,11 @@ class WebhookSender:
         engine: Engine,
         settings: Settings,
         is_leader: Callable[[], bool] | None = None,
-        interval: float | None = None,
     ) -> None:
         self.engine = engine
         self.settings = settings
         self.is_leader = is_leader
-        self.interval = interval if interval is not None else settings.dispatch_interval_seconds
+        self.interval = settings.dispatch_interval_seconds
         self.grace = 0.0 if engine.dialect.name == "sqlite" else CURSOR_GRACE_SECONDS
         self.late_check_seconds = LATE_CHECK_SECONDS
         # (endpoint, event) pairs written since the cursor (or found written): not written again while
@@ -273,9 +272,6 @@ class WebhookSender:
         if self._client is not None:
             self._client.close()
             self._client = None
-
-    def wake(self) -> None:
-        self._wake.set()
 
     def run(self) -> None:
         while not self._stop.is_set():
@@ -327,22 +323,26 @@ class WebhookSender:
                 self._late_checked = time.monotonic()
             hooks = list(session.exec(select(Webhook)).all())
             full = False
+            written: set[tuple[str, int]] = set()
             if hooks:
                 tenants = {hook.tenant for hook in hooks}
                 rows, last, full = self._status_events(session, seen, tenants, top, SCAN_PAGE)
                 if late and seen > start:
-                    self._write(session, hooks, self._status_events(session, start, tenants, seen)[0])
-                self._write(session, hooks, rows)
+                    written |= self._write(
+                        session, hooks, self._status_events(session, start, tenants, seen)[0]
+                    )
+                written |= self._write(session, hooks, rows)
                 seen = last if full and last is not None else top
             else:
                 seen = top
-            self._seen = seen
             if horizon is not None and min(horizon, seen) > start:
                 cursor.event_id = min(horizon, seen)
                 cursor.updated_at = utcnow()
                 session.add(cursor)
-                self._written = {pair for pair in self._written if pair[1] > cursor.event_id}
             session.commit()
+        # (only once committed: if the commit fails, the next pass reads the same events again)
+        self._seen = seen
+        self._written = {pair for pair in self._written | written if pair[1] > cursor.event_id}
         return full
 
     def _horizon(self, session: Session, after: int) -> int:
@@ -390,11 +390,14 @@ class WebhookSender:
         last = rows[-1].id if rows else None
         return [row for row in rows if row.tenant in tenants], last, limit is not None and len(rows) == limit
 
-    def _write(self, session: Session, hooks: list[Webhook], rows: Sequence[Any]) -> None:
+    def _write(self, session: Session, hooks: list[Webhook], rows: Sequence[Any]) -> set[tuple[str, int]]:
+        """Insert the deliveries of `rows` (those not written yet); returns their (endpoint, event) pairs,
+        for `_written` once committed."""
         by_tenant: dict[str, list[Webhook]] = {}
         for hook in hooks:
             by_tenant.setdefault(hook.tenant, []).append(hook)
         deliveries = []
+        pairs: set[tuple[str, int]] = set()
         now = utcnow()
         for row in rows:
             data = row.data or {}
@@ -426,13 +429,14 @@ class WebhookSender:
                         "next_attempt_at": now,
                     }
                 )
-                self._written.add((hook.id, row.id))
+                pairs.add((hook.id, row.id))
         if deliveries:
             dialect = session.get_bind().dialect.name
             insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
             table = WebhookDelivery.__table__  # type: ignore[attr-defined]
             statement = insert(table).on_conflict_do_nothing(index_elements=["webhook_id", "event_id"])
             session.execute(statement, deliveries)
+        return pairs
 
     # --- sending ---
 

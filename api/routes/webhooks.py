@@ -226,7 +226,7 @@ def test_webhook(webhook_id: str, session: SessionDep, scope: TenantDep) -> Resp
     """A `webhook.test` event, signed and retried as any other: follow it with GET .../deliveries."""
     row = _webhook(session, scope, webhook_id)
     delivery = WebhookDelivery(
-        webhook_id=row.id, type=service.TEST_EVENT, body=service.test_body(row), next_attempt_at=utcnow()
+        webhook_id=row.id, type=service.TEST_EVENT, body=service.ping_body(row), next_attempt_at=utcnow()
     )
     session.add(delivery)
     session.commit()
