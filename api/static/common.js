@@ -100,6 +100,22 @@ async function showSession() {
 
 showSession();
 
+// An API time to the minute, as `2026-12-05 06:32` (UTC).
+export function minute(stamp) {
+  return stamp ? stamp.slice(0, 16).replace("T", " ") : "";
+}
+
+// Runs what a button or form does: a failure shows the API's sentence in `errorNode`, a success hides it.
+export async function showingErrors(errorNode, action) {
+  try {
+    await action();
+    errorNode.hidden = true;
+  } catch (err) {
+    errorNode.textContent = err.message;
+    errorNode.hidden = false;
+  }
+}
+
 // Creates an element with text content (never HTML, so job names and samples cannot inject markup).
 export function el(tag, { text, className, attrs } = {}, children = []) {
   const node = document.createElement(tag);

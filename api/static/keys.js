@@ -1,12 +1,8 @@
 // The API keys page: GET /admin/keys, and create, rotate and revoke (admin keys only).
-import { api, el } from "./common.js";
+import { api, el, minute as when, showingErrors } from "./common.js";
 
 const tbody = document.querySelector("#keys tbody");
 const error = document.getElementById("keys-error");
-
-function when(stamp) {
-  return stamp ? stamp.slice(0, 16).replace("T", " ") : "";
-}
 
 function state(key) {
   if (key.revoked_at) return `revoked ${when(key.revoked_at)}`;
@@ -22,13 +18,7 @@ function showSecret(created, what) {
 }
 
 async function act(action) {
-  try {
-    await action();
-    error.hidden = true;
-  } catch (err) {
-    error.textContent = err.message;
-    error.hidden = false;
-  }
+  await showingErrors(error, action);
   await refresh();
 }
 

@@ -1,5 +1,5 @@
 // The webhooks page: GET /webhooks, and add, test and delete endpoints; an endpoint's deliveries.
-import { api, el } from "./common.js";
+import { api, el, minute as when, showingErrors } from "./common.js";
 
 const tbody = document.querySelector("#webhooks tbody");
 const deliveries = document.querySelector("#deliveries tbody");
@@ -7,18 +7,8 @@ const error = document.getElementById("webhooks-error");
 const REFRESH_MS = 5000;
 let shown = null; // the endpoint whose deliveries are shown
 
-function when(stamp) {
-  return stamp ? stamp.slice(0, 16).replace("T", " ") : "";
-}
-
 async function act(action) {
-  try {
-    await action();
-    error.hidden = true;
-  } catch (err) {
-    error.textContent = err.message;
-    error.hidden = false;
-  }
+  await showingErrors(error, action);
   await refresh();
 }
 
