@@ -180,6 +180,11 @@ class Settings(BaseSettings):
         "from inside the cluster).",
     )
     webhook_timeout_seconds: float = Field(default=10.0, gt=0, le=60, description="Bound on one post.")
+    webhook_ca_bundle: Path | None = Field(
+        default=None,
+        description="CA certificates (PEM) to trust for https endpoints instead of the public ones "
+        "(endpoints behind a company's own CA).",
+    )
     webhook_retry_seconds: Annotated[list[float], NoDecode] = Field(
         default_factory=lambda: [5.0, 30.0, 120.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0, 28800.0],
         description="Waits before each retry of a failed delivery (comma-separated seconds); after the "

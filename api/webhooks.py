@@ -32,6 +32,7 @@ import json
 import logging
 import secrets
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -556,7 +557,9 @@ class WebhookSender:
 
     def _http(self) -> httpx.Client:
         if self._client is None:
+            bundle = self.settings.webhook_ca_bundle
             self._client = httpx.Client(
+                verify=ssl.create_default_context(cafile=str(bundle)) if bundle is not None else True,
                 timeout=self.settings.webhook_timeout_seconds,
                 follow_redirects=False,
                 limits=httpx.Limits(max_connections=SENDERS * 2),

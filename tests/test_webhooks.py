@@ -9,9 +9,11 @@ import base64
 import hashlib
 import hmac
 import json
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -38,8 +40,9 @@ class Receiver:
     """An endpoint: records each request (headers, body) and answers the statuses queued in `answers`
     (then 200)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
         self.requests: list[dict[str, Any]] = []
+        self.server_names: list[str | None] = []  # (TLS: the names clients asked for, SNI)
         self.answers: list[int] = []
         self.fail_once: str | None = None  # an event type: the first request of that type gets a 500
         self.arrived = threading.Condition()
@@ -69,6 +72,10 @@ class Receiver:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/tputune?team=a"
+        if tls is not None:
+            tls.sni_callback = lambda _socket, name, _context: self.server_names.append(name)
+            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
+            self.url = f"https://localhost:{self.server.server_address[1]}/hook"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def events(self) -> list[dict[str, Any]]:
@@ -385,6 +392,100 @@ def test_a_host_that_resolves_to_a_private_address_is_not_posted_to(
     assert "resolves to a private or local address (127.0.0.1)" in refused["last_error"]
     sender(client).tick()  # allowed again: sent
     assert len(receiver.requests) == 1 and receiver.requests[0]["headers"]["host"].startswith("localhost:")
+
+
+def certificates(tmp_path: Path) -> tuple[Path, Callable[[str], ssl.SSLContext]]:
+    """A CA of the test's own (its PEM file), and a server's TLS context with a certificate it signed for
+    a given name."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.now(UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tputune test CA")])
+
+    def signed(subject: x509.Name, key: Any) -> x509.CertificateBuilder:
+        return (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - timedelta(minutes=5))
+            .not_valid_after(now + timedelta(days=1))
+        )
+
+    ca = (
+        signed(ca_name, ca_key)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    ca_path = tmp_path / "ca.pem"
+    ca_path.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+
+    def server(name: str) -> ssl.SSLContext:
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (
+            signed(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]), key)
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+            )
+            .sign(ca_key, hashes.SHA256())
+        )
+        pem = tmp_path / f"{name}.pem"
+        pem.write_bytes(
+            cert.public_bytes(serialization.Encoding.PEM)
+            + key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(pem)
+        return context
+
+    return ca_path, server
+
+
+def test_an_https_endpoint_is_checked_against_its_name(
+    make_settings: Callable[..., Settings], dataset: Path, tmp_path: Path
+) -> None:
+    """The sender connects to the address it checked, and still asks TLS for the URL's name (SNI) and
+    checks the certificate against it: one made for another name, or by a CA it does not trust, fails."""
+    ca, server = certificates(tmp_path)
+    right, wrong = Receiver(server("localhost")), Receiver(server("elsewhere.example"))
+    settings = make_settings(
+        dispatcher_enabled=False,
+        webhook_allow_private=True,
+        webhook_ca_bundle=ca,
+        webhook_retry_seconds=[0.0],
+    )
+    try:
+        with TestClient(create_app(settings)) as client:
+            good = client.post("/webhooks", json={"url": right.url}).json()
+            bad = client.post("/webhooks", json={"url": wrong.url}).json()
+            move(client, new_job(client, dataset), JobStatus.cancelled)
+            drain(sender(client))
+            assert len(right.requests) == 1 and set(right.server_names) == {"localhost"}
+            assert right.requests[0]["headers"]["host"] == right.url.split("/")[2]
+            assert [d["status"] for d in deliveries(client, good["id"])] == ["delivered"]
+            assert wrong.requests == []
+            [refused] = deliveries(client, bad["id"])
+            assert refused["status"] == "failed" and "certificate" in refused["last_error"].lower()
+            assert "elsewhere.example" not in right.server_names and set(wrong.server_names) == {"localhost"}
+            # Without the CA (the public roots): not trusted.
+            move(client, new_job(client, dataset), JobStatus.cancelled)
+            drain(sender(client, webhook_ca_bundle=None))
+            assert len(right.requests) == 1
+            assert "CERTIFICATE_VERIFY_FAILED" in deliveries(client, good["id"])[0]["last_error"]
+    finally:
+        for endpoint in (right, wrong):
+            endpoint.server.shutdown()
+            endpoint.server.server_close()
 
 
 @pytest.mark.postgres
