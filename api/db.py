@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from sqlalchemy import event, text
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import DisconnectionError
 from sqlmodel import Session, create_engine
@@ -320,6 +321,11 @@ def autocommit_connection(engine: Engine) -> Iterator[Connection]:
         if engine.dialect.name == "postgresql":
             connection.execution_options(isolation_level="AUTOCOMMIT")
         yield connection
+
+
+def upsert_insert(bind: Engine | Connection) -> Any:
+    """The dialect's INSERT (`on_conflict_do_nothing`/`_do_update` on both): PostgreSQL's, or SQLite's."""
+    return postgresql.insert if bind.dialect.name == "postgresql" else sqlite.insert
 
 
 @contextmanager

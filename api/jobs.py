@@ -21,14 +21,13 @@ from typing import Any
 from sqlalchemy import bindparam, func, insert, update
 from sqlalchemy import select as sa_select
 from sqlalchemy import text as sql_text
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, col, select
 
 from api import tpu
-from api.db import autocommit_connection
+from api.db import autocommit_connection, upsert_insert
 from api.errors import ApiError, not_found
 from api.models import IdempotencyKey, Job, JobEvent, Tenant, as_utc, job_spec, utcnow
 from api.settings import Settings
@@ -1025,8 +1024,7 @@ def _event_for(report: Any) -> tuple[str, str, str]:
 
 def _insert_ignore(session: Session, rows: list[dict[str, Any]]) -> set[str]:
     """Insert event rows, skipping ones whose dedupe key exists; returns the keys inserted."""
-    dialect = session.get_bind().dialect.name
-    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    insert = upsert_insert(session.get_bind())
     # The rows are parameters of one statement that SQLAlchemy compiles once and caches (it still sends
     # them as multi-row INSERTs); `.values(rows)` made each batch a new statement to build and compile.
     table = JobEvent.__table__  # type: ignore[attr-defined]

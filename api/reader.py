@@ -156,7 +156,7 @@ class InlineReader:
         return self._run(_sqlite_heads, job_ids)
 
     async def queue_position(self, job_id: str) -> int:
-        return int(self._run(_sqlite_position, job_id))
+        return self._run(_sqlite_position, job_id)
 
     def _run(self, run: Any, *args: Any) -> Any:
         """`run(execute, *args)` on one of the engine's connections."""

@@ -37,11 +37,10 @@ from typing import Protocol, cast
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import Float, Table, delete, extract, func, select
-from sqlalchemy.dialects.postgresql import insert as postgresql_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 
 from api.auth import Buckets, usable_key
+from api.db import upsert_insert
 from api.mapped import MappedFile
 from api.models import ApiKey, KeyUsage
 from api.settings import Settings
@@ -154,7 +153,7 @@ class UsageSync:
         self._thread: threading.Thread | None = None
         self._failing = False
         postgresql = engine.dialect.name == "postgresql"
-        self._insert = postgresql_insert if postgresql else sqlite_insert
+        self._insert = upsert_insert(engine)
         self._clock = _UNIX_NOW_POSTGRESQL if postgresql else _UNIX_NOW_SQLITE
         self.stats = stats
         if stats is not None:

@@ -39,17 +39,16 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Literal, get_args
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 from sqlalchemy import delete, func, tuple_
 from sqlalchemy import select as sa_select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from api.db import session_scope
+from api.db import session_scope, upsert_insert
 from api.errors import ApiError
 from api.models import Job, JobEvent, Webhook, WebhookCursor, WebhookDelivery, as_utc, utcnow
 from api.settings import Settings
@@ -57,13 +56,15 @@ from api.settings import Settings
 log = logging.getLogger(__name__)
 
 # The moves an endpoint may ask to hear of: `job.<status>` of a status event.
-EVENT_TYPES = ("job.running", "job.paused", "job.succeeded", "job.failed", "job.cancelled")
-DEFAULT_EVENTS = ("job.succeeded", "job.failed", "job.cancelled")
+EventType = Literal["job.running", "job.paused", "job.succeeded", "job.failed", "job.cancelled"]
+EVENT_TYPES: tuple[EventType, ...] = get_args(EventType)
+DEFAULT_EVENTS: tuple[EventType, ...] = ("job.succeeded", "job.failed", "job.cancelled")
 TEST_EVENT = "webhook.test"
-PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
+DeliveryStatus = Literal["pending", "delivered", "failed"]
+PENDING, DELIVERED, FAILED = get_args(DeliveryStatus)
 SECRET_PREFIX = "whsec_"
 CURSOR_GRACE_SECONDS = 60.0  # PostgreSQL: longer than any transaction that writes job events
-LATE_CHECK_SECONDS = 5.0  # PostgreSQL: how often the events after the cursor are read again
+LATE_CHECK_SECONDS = 5.0  # how often the cursor moves (PostgreSQL: the events after it read again)
 SCAN_PAGE = 1_000  # status events one pass reads at most
 SEND_PAGE = 256  # due deliveries one pass reads at most
 PER_ENDPOINT = 8  # of those, the most it sends to one endpoint (one round of SENDERS)
@@ -301,26 +302,21 @@ class WebhookSender:
         """Write the deliveries of the status events not yet read; move the cursor. True if it read a full
         page (more wait).
 
-        Each pass reads the events after the last one this process read (`_seen`). On PostgreSQL, every
-        LATE_CHECK_SECONDS it also reads again those after the cursor (an event committed late, behind one
-        read already), and moves the cursor up to the events older than the grace."""
+        Each pass reads the events after the last one this process read (`_seen`). Every
+        LATE_CHECK_SECONDS the cursor moves up to them (on PostgreSQL, to the events older than the grace,
+        after reading again those after the cursor: an event committed late, behind one read already)."""
         with session_scope(self.engine) as session:
-            cursor = session.get(WebhookCursor, 1)
-            if cursor is None:  # (a database made without the migrations: from the last event on)
-                last = session.scalar(sa_select(func.max(JobEvent.id))) or 0
-                cursor = WebhookCursor(id=1, event_id=last)
-                session.add(cursor)
-                session.commit()
+            cursor = session.get_one(WebhookCursor, 1)  # (migration 0011 makes it)
             start = cursor.event_id
             seen = max(self._seen or 0, start)
             # The events to read now: up to the last one visible (read first: SQLite's reads stop there).
             top = session.scalar(sa_select(func.max(JobEvent.id)).where(col(JobEvent.id) > seen)) or seen
-            late = self.grace > 0 and time.monotonic() - self._late_checked >= self.late_check_seconds
+            # Every `late_check_seconds` (not on every pass: it is a write) the cursor moves on; on
+            # PostgreSQL the events after it are read again first.
+            late = time.monotonic() - self._late_checked >= self.late_check_seconds
             horizon = None
-            if self.grace == 0:
-                horizon = top
-            elif late:
-                horizon = self._horizon(session, start)
+            if late:
+                horizon = top if self.grace == 0 else self._horizon(session, start)
                 self._late_checked = time.monotonic()
             hooks = list(session.exec(select(Webhook)).all())
             full = False
@@ -328,7 +324,7 @@ class WebhookSender:
             if hooks:
                 tenants = {hook.tenant for hook in hooks}
                 rows, last, full = self._status_events(session, seen, tenants, top, SCAN_PAGE)
-                if late and seen > start:
+                if late and self.grace > 0 and seen > start:
                     written |= self._write(
                         session, hooks, self._status_events(session, start, tenants, seen)[0]
                     )
@@ -347,10 +343,12 @@ class WebhookSender:
         return full
 
     def _horizon(self, session: Session, after: int) -> int:
-        """The last event id the cursor may move to: every event up to it is committed."""
-        query = sa_select(func.max(JobEvent.id)).where(col(JobEvent.id) > after)
-        if self.grace > 0:
-            query = query.where(col(JobEvent.created_at) < utcnow() - timedelta(seconds=self.grace))
+        """PostgreSQL: the last event id the cursor may move to, of the events older than the grace (every
+        one up to it is committed)."""
+        before = utcnow() - timedelta(seconds=self.grace)
+        query = sa_select(func.max(JobEvent.id)).where(
+            col(JobEvent.id) > after, col(JobEvent.created_at) < before
+        )
         return session.scalar(query) or after
 
     def _status_events(
@@ -432,10 +430,10 @@ class WebhookSender:
                 )
                 pairs.add((hook.id, row.id))
         if deliveries:
-            dialect = session.get_bind().dialect.name
-            insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
             table = WebhookDelivery.__table__  # type: ignore[attr-defined]
-            statement = insert(table).on_conflict_do_nothing(index_elements=["webhook_id", "event_id"])
+            statement = upsert_insert(self.engine)(table).on_conflict_do_nothing(
+                index_elements=["webhook_id", "event_id"]
+            )
             session.execute(statement, deliveries)
         return pairs
 

@@ -15,14 +15,10 @@ from api.deps import PrincipalDep, SessionDep, SettingsDep, TenantDep, json_resp
 from api.errors import ApiError
 from api.models import MAX_ID, Webhook, WebhookDelivery, as_utc, utcnow
 from api.schemas import ErrorResponse, error_responses
+from api.webhooks import DeliveryStatus, EventType
 from worker.config import Text
 
 router = APIRouter(prefix="/webhooks", tags=["webhooks"], responses=error_responses(401, 413, 422, 429, 503))
-
-EventType = Literal["job.running", "job.paused", "job.succeeded", "job.failed", "job.cancelled"]
-assert set(EventType.__args__) == set(service.EVENT_TYPES)  # type: ignore[attr-defined]
-DEFAULT_EVENTS: tuple[EventType, ...] = ("job.succeeded", "job.failed", "job.cancelled")
-assert DEFAULT_EVENTS == service.DEFAULT_EVENTS
 
 _not_found: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorResponse, "description": "No such webhook (or not one of your tenant's)."}
@@ -34,7 +30,7 @@ class WebhookCreate(BaseModel):
         description="Where each event is posted (https; a public address unless the server allows others)."
     )
     events: list[EventType] = Field(
-        default_factory=lambda: list(DEFAULT_EVENTS),
+        default_factory=lambda: list(service.DEFAULT_EVENTS),
         min_length=1,
         max_length=len(service.EVENT_TYPES),
         description="The moves to be told of. Default: a job's end (succeeded, failed, cancelled).",
@@ -90,7 +86,7 @@ class DeliveryPublic(BaseModel):
     webhook_id: str
     type: str = Field(description="The event: job.succeeded, ..., or webhook.test.")
     job_id: str | None
-    status: Literal["pending", "delivered", "failed"] = Field(
+    status: DeliveryStatus = Field(
         description="pending: not yet delivered (retried until `next_attempt_at`s run out); failed: given up."
     )
     attempts: int
@@ -245,9 +241,7 @@ def list_deliveries(
     scope: TenantDep,
     after: Annotated[int | None, Query(ge=1, le=MAX_ID, description="A delivery id: older ones.")] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    status: Annotated[
-        Literal["pending", "delivered", "failed"] | None, Query(description="Only deliveries in this status.")
-    ] = None,
+    status: Annotated[DeliveryStatus | None, Query(description="Only deliveries in this status.")] = None,
 ) -> Response:
     """Newest first, with how each went (kept TPUTUNE_WEBHOOK_RETENTION_DAYS once done)."""
     _webhook(session, scope, webhook_id)

@@ -105,14 +105,19 @@ export function minute(stamp) {
   return stamp ? stamp.slice(0, 16).replace("T", " ") : "";
 }
 
+// Shows a failed call's sentence (the API's) in `errorNode`.
+export function showError(errorNode, err) {
+  errorNode.textContent = err.message;
+  errorNode.hidden = false;
+}
+
 // Runs what a button or form does: a failure shows the API's sentence in `errorNode`, a success hides it.
 export async function showingErrors(errorNode, action) {
   try {
     await action();
     errorNode.hidden = true;
   } catch (err) {
-    errorNode.textContent = err.message;
-    errorNode.hidden = false;
+    showError(errorNode, err);
   }
 }
 

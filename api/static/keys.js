@@ -1,5 +1,5 @@
 // The API keys page: GET /admin/keys, and create, rotate and revoke (admin keys only).
-import { api, el, minute as when, showingErrors } from "./common.js";
+import { api, el, minute as when, showError, showingErrors } from "./common.js";
 
 const tbody = document.querySelector("#keys tbody");
 const error = document.getElementById("keys-error");
@@ -62,8 +62,7 @@ async function refresh() {
     const page = await api("/admin/keys");
     tbody.replaceChildren(...page.data.map(row));
   } catch (err) {
-    error.textContent = err.message;
-    error.hidden = false;
+    showError(error, err);
   }
 }
 

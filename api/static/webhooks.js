@@ -1,5 +1,5 @@
 // The webhooks page: GET /webhooks, and add, test and delete endpoints; an endpoint's deliveries.
-import { api, el, minute as when, showingErrors } from "./common.js";
+import { api, el, minute as when, showError, showingErrors } from "./common.js";
 
 const tbody = document.querySelector("#webhooks tbody");
 const deliveries = document.querySelector("#deliveries tbody");
@@ -84,8 +84,7 @@ async function refresh() {
       card.hidden = true;
     }
   } catch (err) {
-    error.textContent = err.message;
-    error.hidden = false;
+    showError(error, err);
   }
 }
 
