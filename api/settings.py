@@ -268,7 +268,7 @@ class Settings(BaseSettings):
 
     @field_validator("allowed_data_roots", "k8s_tpu_machine_types", "webhook_retry_seconds", mode="before")
     @classmethod
-    def _split_roots(cls, value: object) -> object:
+    def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):
             return [part for part in (p.strip() for p in value.split(",")) if part]
         return value
