@@ -364,8 +364,9 @@ def keys(args: argparse.Namespace) -> int:
 
 def webhooks(args: argparse.Namespace) -> int:
     with _client(args) as client:
+        given = getattr(args, "events", None)
+        events = [e.strip() for e in given.split(",") if e.strip()] if given else None
         if args.action == "create":
-            events = [e.strip() for e in args.events.split(",") if e.strip()] if args.events else None
             hook = client.create_webhook(args.url, events, args.description, args.tenant)
             print(
                 f"created {hook['id']} for tenant {hook['tenant']} ({', '.join(hook['events'])}); "
@@ -373,12 +374,30 @@ def webhooks(args: argparse.Namespace) -> int:
             )
             print(hook["secret"])
         elif args.action == "list":
-            print(f"{'ID':<20} {'TENANT':<16} {'CREATED':<18} {'EVENTS':<40} URL")
+            print(f"{'ID':<20} {'TENANT':<16} {'CREATED':<18} {'STATE':<24} {'EVENTS':<40} URL")
             for hook in client.list_webhooks(args.tenant)["data"]:
                 print(
                     f"{hook['id']:<20} {hook['tenant']:<16} {_when(hook['created_at']):<18} "
-                    f"{','.join(hook['events']):<40} {hook['url']}"
+                    f"{_webhook_state(hook):<24} {','.join(hook['events']):<40} {hook['url']}"
                 )
+        elif args.action in ("update", "enable", "disable"):
+            fields: dict[str, Any] = {}
+            if args.action != "update":
+                fields["enabled"] = args.action == "enable"
+            else:
+                for name in ("url", "description"):
+                    if getattr(args, name) is not None:
+                        fields[name] = getattr(args, name) or None  # ("": no description)
+                if events:
+                    fields["events"] = events
+            hook = client.update_webhook(args.webhook_id, **fields)
+            print(f"{hook['id']}: {_webhook_state(hook)} ({', '.join(hook['events'])}) {hook['url']}")
+            if hook["disabled_reason"]:
+                print(hook["disabled_reason"])
+        elif args.action == "retry":
+            for delivery_id in args.delivery_ids:
+                delivery = client.retry_delivery(args.webhook_id, delivery_id)
+                print(f"delivery {delivery['id']} ({delivery['type']}) is sent again")
         elif args.action == "test":
             delivery = client.test_webhook(args.webhook_id)
             print(
@@ -400,6 +419,14 @@ def webhooks(args: argparse.Namespace) -> int:
             hook = client.delete_webhook(args.webhook_id)
             print(f"{hook['id']} deleted")
     return 0
+
+
+def _webhook_state(hook: dict[str, Any]) -> str:
+    if not hook["enabled"]:
+        return "disabled"
+    if hook["failing_since"]:
+        return f"failing since {_when(hook['failing_since'])}"
+    return "enabled"
 
 
 def _limit(tenant: dict[str, Any], field: str) -> str:
@@ -629,8 +656,22 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--tenant", help="another tenant's (admin keys only)")
     a = actions.add_parser("list", help="list endpoints")
     a.add_argument("--tenant", help="only this tenant's (admin keys)")
-    a = actions.add_parser("test", help="send a webhook.test event")
+    a = actions.add_parser("update", help="change an endpoint's URL, events or description")
     a.add_argument("webhook_id")
+    a.add_argument("--url")
+    a.add_argument("--events", help="comma-separated, as for create")
+    a.add_argument("--description", help='"" for none')
+    for action, what in (
+        ("enable", "send to it again (after fixing an endpoint the server disabled)"),
+        ("disable", "send nothing more to it (its pending deliveries are given up)"),
+    ):
+        a = actions.add_parser(action, help=what)
+        a.add_argument("webhook_id")
+    a = actions.add_parser("test", help="send a webhook.test event (also to a disabled endpoint)")
+    a.add_argument("webhook_id")
+    a = actions.add_parser("retry", help="send failed deliveries again (what an endpoint missed)")
+    a.add_argument("webhook_id")
+    a.add_argument("delivery_ids", nargs="+", type=int, metavar="delivery_id")
     a = actions.add_parser("deliveries", help="an endpoint's deliveries, newest first, and how each went")
     a.add_argument("webhook_id")
     a.add_argument("--status", choices=["pending", "delivered", "failed"])

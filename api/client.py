@@ -200,6 +200,14 @@ class Client:
     def list_webhooks(self, tenant: str | None = None) -> dict[str, Any]:
         return self._request("GET", "/webhooks", params={"tenant": tenant} if tenant else None)
 
+    def update_webhook(self, webhook_id: str, **fields: Any) -> dict[str, Any]:
+        """Change `url`, `events`, `description` or `enabled` (PATCH: the fields given only)."""
+        return self._request("PATCH", f"/webhooks/{webhook_id}", json=fields)
+
+    def retry_delivery(self, webhook_id: str, delivery_id: int) -> dict[str, Any]:
+        """Send a failed (or delivered) delivery again, with its retries anew."""
+        return self._request("POST", f"/webhooks/{webhook_id}/deliveries/{delivery_id}/retry")
+
     def delete_webhook(self, webhook_id: str) -> dict[str, Any]:
         return self._request("DELETE", f"/webhooks/{webhook_id}")
 

@@ -195,6 +195,15 @@ class Webhook(SQLModel, table=True):
     secret: str = Field(max_length=64)
     created_at: datetime = Field(default_factory=utcnow, sa_type=DateTime(timezone=True), nullable=False)
     created_by: str | None = Field(default=None, max_length=64)  # as Principal.who says
+    # When every attempt since began to fail (None: the last one was delivered, or none failed yet).
+    failing_since: datetime | None = _ts()
+    # Set while nothing is sent to it: disabled by a user, or by the sender once it failed for
+    # TPUTUNE_WEBHOOK_DISABLE_AFTER_HOURS; why, in a sentence.
+    disabled_at: datetime | None = _ts()
+    disabled_reason: str | None = Field(default=None, max_length=500)
+    # When it was last enabled again: it hears of the moves made since (and since `created_at`), not of
+    # those made while it was disabled.
+    enabled_at: datetime | None = _ts()
 
 
 class WebhookDelivery(SQLModel, table=True):
@@ -207,6 +216,7 @@ class WebhookDelivery(SQLModel, table=True):
         Index("ix_webhook_deliveries_webhook_id", "webhook_id", "id"),
         Index("ix_webhook_deliveries_job", "webhook_id", "job_id", "id"),
         Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),
+        Index("ix_webhook_deliveries_hook_due", "webhook_id", "status", "next_attempt_at"),
     )
 
     id: int | None = Field(

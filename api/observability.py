@@ -151,6 +151,11 @@ class _JobsByStatus(Collector):
             "Webhook deliveries kept, by status (pending: not yet delivered; failed: given up)",
             labels=["status"],
         )
+        endpoints = GaugeMetricFamily(
+            "tputune_webhooks",
+            "Webhook endpoints, by state (failing: every delivery failing lately; disabled: nothing sent)",
+            labels=["state"],
+        )
         counts = dict.fromkeys((s.value for s in JobStatus), 0)
         with Session(self.engine) as session:
             for status, count in session.exec(select(Job.status, func.count()).group_by(Job.status)):
@@ -158,6 +163,7 @@ class _JobsByStatus(Collector):
             used = tenant_limits.usage(session, self.settings)
             own = tenant_limits.load(session)
             delivery_counts = webhooks.count_by_status(session)
+            endpoint_counts = webhooks.count_endpoints(session)
         for status, count in counts.items():
             family.add_metric([status], count)
         yield family
@@ -177,6 +183,9 @@ class _JobsByStatus(Collector):
         for status, count in delivery_counts.items():
             deliveries.add_metric([status], count)
         yield deliveries
+        for state, count in endpoint_counts.items():
+            endpoints.add_metric([state], count)
+        yield endpoints
 
 
 access_log = logging.getLogger("tputune.access")

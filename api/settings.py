@@ -179,7 +179,9 @@ class Settings(BaseSettings):
         description="Endpoints may be private or local addresses (else only public ones: the server posts "
         "from inside the cluster).",
     )
-    webhook_timeout_seconds: float = Field(default=10.0, gt=0, le=60, description="Bound on one post.")
+    webhook_timeout_seconds: float = Field(
+        default=10.0, gt=0, le=60, description="Bound on one post, from the address lookup to the answer."
+    )
     webhook_ca_bundle: Path | None = Field(
         default=None,
         description="CA certificates (PEM) to trust for https endpoints instead of the public ones "
@@ -189,6 +191,12 @@ class Settings(BaseSettings):
         default_factory=lambda: [5.0, 30.0, 120.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0, 28800.0],
         description="Waits before each retry of a failed delivery (comma-separated seconds); after the "
         "last, it has failed.",
+    )
+    webhook_disable_after_hours: float = Field(
+        default=120,
+        ge=0,
+        description="An endpoint whose every attempt failed for this long is disabled until its team enables "
+        "it again (PATCH /webhooks/{id}); 0: never.",
     )
     webhook_max_per_tenant: int = Field(
         default=10, ge=1, le=1000, description="Endpoints one tenant may have."

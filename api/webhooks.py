@@ -6,7 +6,10 @@ it (api.jobs.transition, fail_queued), whoever makes it: the dispatcher, a worke
 sender (a thread beside the dispatcher, on the leader only) reads the status events after its cursor,
 writes a delivery for each endpoint that wants one (the body fixed then: every attempt sends the same),
 and posts the deliveries that are due, retrying with backoff. At least once: an endpoint may get one
-twice (`webhook-id` is the same each time, to drop the second).
+twice (`webhook-id` is the same each time, to drop the second). Posts run on an event loop of the
+sender's and a pass does not wait for them: an endpoint that answers slowly, or never, holds only its own
+deliveries (PER_ENDPOINT in flight). One whose every delivery failed for TPUTUNE_WEBHOOK_DISABLE_AFTER_HOURS
+is disabled (as Svix does) until its team enables it again.
 
 On PostgreSQL event ids are taken when a transaction inserts, and it may commit after one that took a
 later id: a reader that had moved past the later one would never see the earlier. Each pass reads the
@@ -24,17 +27,21 @@ Redirects are not followed. Logs name the endpoint's id, never its URL (it may h
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import concurrent.futures
 import hashlib
 import hmac
 import ipaddress
 import json
 import logging
+import queue
 import secrets
 import socket
 import ssl
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,7 +50,7 @@ from typing import Any, Literal, get_args
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
-from sqlalchemy import delete, func, tuple_
+from sqlalchemy import bindparam, case, delete, func, tuple_
 from sqlalchemy import select as sa_select
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
@@ -67,8 +74,12 @@ CURSOR_GRACE_SECONDS = 60.0  # PostgreSQL: longer than any transaction that writ
 LATE_CHECK_SECONDS = 5.0  # how often the cursor moves (PostgreSQL: the events after it read again)
 SCAN_PAGE = 1_000  # status events one pass reads at most
 SEND_PAGE = 256  # due deliveries one pass reads at most
-PER_ENDPOINT = 8  # of those, the most it sends to one endpoint (one round of SENDERS)
-SENDERS = 8  # deliveries posted at once
+MAX_IN_FLIGHT = 256  # posts in flight at once
+PER_ENDPOINT = 8  # of those, the most to one endpoint
+LOOKUPS = 32  # address lookups at once (threads)
+RESOLVED_SECONDS = 5.0  # how long an address checked is used again for its host
+GATHER_SECONDS = 0.02  # between passes while posts are in flight: their ends are recorded together
+LEASE_MARGIN_SECONDS = 30.0  # a delivery in flight is not due again until its timeout and this have passed
 USER_AGENT = "tputune-webhooks/0.1"
 STOP_WAIT_SECONDS = 3.0
 
@@ -217,6 +228,95 @@ def _job_data(row: Any, status: str) -> dict[str, Any]:
     }
 
 
+_deliveries = WebhookDelivery.__table__  # type: ignore[attr-defined]
+_hooks = Webhook.__table__  # type: ignore[attr-defined]
+
+
+def _due_statement(one_endpoint: bool) -> Any:
+    """The deliveries due at `now`, oldest first: `page` at most, less those of the endpoints `full`
+    (PER_ENDPOINT in flight); or, `one_endpoint`, `limit` of endpoint `hook`'s (on its own index). Built
+    once: building a statement cost more than running it."""
+    query = (
+        sa_select(_deliveries.c.id, _deliveries.c.body, _deliveries.c.attempts, _deliveries.c.job_id)
+        .add_columns(_deliveries.c.next_attempt_at, _hooks.c.id.label("hook"), _hooks.c.url, _hooks.c.secret)
+        .join(_hooks, _hooks.c.id == _deliveries.c.webhook_id)
+        .where(
+            _deliveries.c.status == PENDING,
+            _deliveries.c.next_attempt_at <= bindparam("now"),
+            # (a disabled endpoint is still sent its tests: to check it before enabling it again)
+            _hooks.c.disabled_at.is_(None) | (_deliveries.c.type == TEST_EVENT),
+        )
+        .order_by(_deliveries.c.next_attempt_at, _deliveries.c.id)
+    )
+    if one_endpoint:
+        return query.where(_deliveries.c.webhook_id == bindparam("hook")).limit(bindparam("limit"))
+    others = _deliveries.c.webhook_id.not_in(bindparam("full", expanding=True))
+    return query.where(others).limit(bindparam("page"))
+
+
+_DUE = _due_statement(one_endpoint=False)
+_DUE_OF_ENDPOINT = _due_statement(one_endpoint=True)
+# The pending deliveries of some (endpoint, job) pairs: which is each job's oldest, and when it is due.
+_PENDING_OF_JOBS = (
+    sa_select(_deliveries.c.webhook_id, _deliveries.c.job_id, _deliveries.c.id, _deliveries.c.next_attempt_at)
+    .where(
+        _deliveries.c.status == PENDING,
+        tuple_(_deliveries.c.webhook_id, _deliveries.c.job_id).in_(bindparam("pairs", expanding=True)),
+    )
+    .order_by(_deliveries.c.id)
+)
+# A delivery put off until `until` (a job's later move, behind an earlier one waiting for its retry).
+_PUT_OFF = (
+    _deliveries.update()
+    .where(_deliveries.c.id == bindparam("delivery"), _deliveries.c.status == PENDING)
+    .values(next_attempt_at=bindparam("until"))
+)
+# How a post went (executemany: one statement for a pass's posts); not for a delivery no longer pending
+# (given up meanwhile: its endpoint disabled).
+_RECORD = (
+    _deliveries.update()
+    .where(_deliveries.c.id == bindparam("delivery"), _deliveries.c.status == PENDING)
+    .values(
+        {
+            name: bindparam(name)
+            for name in (
+                "attempts",
+                "last_attempt_at",
+                "response_status",
+                "last_error",
+                "status",
+                "next_attempt_at",
+            )
+        }
+    )
+)
+
+
+def disable(session: Session, hook: Webhook, reason: str, now: datetime | None = None) -> None:
+    """Stop sending to `hook` (no new deliveries are written for it) and give up its pending ones, but
+    its tests; `reason` says why, and what to do. (In the caller's transaction.)"""
+    now = now or utcnow()
+    hook.disabled_at = now
+    hook.disabled_reason = reason
+    session.add(hook)
+    session.execute(
+        _deliveries.update()
+        .where(
+            _deliveries.c.webhook_id == hook.id,
+            _deliveries.c.status == PENDING,
+            _deliveries.c.type != TEST_EVENT,
+        )
+        .values(status=FAILED, next_attempt_at=None, last_error="not sent: the endpoint was disabled")
+    )
+
+
+def enable(session: Session, hook: Webhook) -> None:
+    """Send to `hook` again: the moves made from now on (those made while it was disabled are not)."""
+    hook.disabled_at = hook.disabled_reason = hook.failing_since = None
+    hook.enabled_at = utcnow()
+    session.add(hook)
+
+
 @dataclass
 class Attempt:
     """How one post went: delivered (2xx), or why not."""
@@ -248,8 +348,15 @@ class WebhookSender:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._client: httpx.Client | None = None
+        # Posts run on an event loop of their own thread; how each went comes back through `_done`.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._lookups: ThreadPoolExecutor | None = None
+        self._client: httpx.AsyncClient | None = None  # (the loop's)
+        self._resolved: dict[tuple[str, int], tuple[str, float]] = {}  # (the loop's) → (address, until)
+        self._in_flight: dict[int, str] = {}  # delivery id → endpoint id (the sender's thread only)
+        self._futures: dict[int, concurrent.futures.Future[Attempt]] = {}
+        self._done: queue.SimpleQueue[tuple[Any, Attempt]] = queue.SimpleQueue()
         self._last_cleanup = 0.0
         self._seen: int | None = None  # the last event id this process read (None: the cursor's)
         self._late_checked = 0.0  # (time.monotonic)
@@ -259,8 +366,8 @@ class WebhookSender:
         self._thread.start()
 
     def stop(self) -> None:
-        """End the loop; a post still in flight is not waited for past a few seconds (its delivery stays
-        pending, and is sent again)."""
+        """End the loop; posts still in flight are not waited for past a few seconds (their deliveries stay
+        pending, and are sent again once their lease ends)."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -268,23 +375,48 @@ class WebhookSender:
         self.close()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        """Cancel the posts in flight, close the connections, end the event loop."""
+        loop, thread = self._loop, self._loop_thread
+        if loop is None or thread is None:
+            return
+        self._loop = None
+
+        async def shutdown() -> None:
+            for task in asyncio.all_tasks() - {asyncio.current_task()}:
+                task.cancel()
+            if self._client is not None:
+                await self._client.aclose()
+                self._client = None
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), loop).result(STOP_WAIT_SECONDS)
+        except Exception:
+            log.warning("webhook posts did not stop within %g s", STOP_WAIT_SECONDS)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(STOP_WAIT_SECONDS)
+        if not thread.is_alive():
+            loop.close()
+        if self._lookups is not None:
+            self._lookups.shutdown(wait=False, cancel_futures=True)
 
     def run(self) -> None:
         while not self._stop.is_set():
-            self._wake.clear()
-            more = False
-            try:
-                more = self.tick()
-            except Exception:
-                log.exception("webhook pass failed; retrying")
-            if not more:
-                self._wake.wait(self.interval)
+            self.step()
+
+    def step(self) -> None:
+        """A pass, then the wait before the next: none while work is left, else until a post ends or the
+        dispatcher's interval has passed; then, while posts are in flight, until they end or a moment has
+        passed (a pass records the ends of several, not one each)."""
+        self._wake.clear()
+        more = False
+        try:
+            more = self.tick()
+        except Exception:
+            log.exception("webhook pass failed; retrying")
+        if not more:
+            self._wake.wait(self.interval)
+        if self._futures:  # (until all have ended, or a moment has passed: one endpoint may never answer)
+            concurrent.futures.wait(list(self._futures.values()), GATHER_SECONDS)
 
     def tick(self) -> bool:
         """One pass: read new events into deliveries, send those due. True if it left work for the next."""
@@ -318,7 +450,7 @@ class WebhookSender:
             if late:
                 horizon = top if self.grace == 0 else self._horizon(session, start)
                 self._late_checked = time.monotonic()
-            hooks = list(session.exec(select(Webhook)).all())
+            hooks = list(session.exec(select(Webhook).where(col(Webhook.disabled_at).is_(None))).all())
             full = False
             written: set[tuple[str, int]] = set()
             if hooks:
@@ -412,8 +544,8 @@ class WebhookSender:
             for hook in by_tenant.get(row.tenant, []):
                 if event_type not in hook.events or (hook.id, row.id) in self._written:
                     continue
-                if created < as_utc(hook.created_at):  # type: ignore[operator]
-                    continue  # (a move made before the endpoint was)
+                if created < as_utc(hook.enabled_at or hook.created_at):  # type: ignore[operator]
+                    continue  # (a move made before the endpoint was, or while it was disabled)
                 body = body or event_body(row.id, event_type, created, _job_data(row, status))
                 deliveries.append(
                     {
@@ -430,8 +562,7 @@ class WebhookSender:
                 )
                 pairs.add((hook.id, row.id))
         if deliveries:
-            table = WebhookDelivery.__table__  # type: ignore[attr-defined]
-            statement = upsert_insert(self.engine)(table).on_conflict_do_nothing(
+            statement = upsert_insert(self.engine)(_deliveries).on_conflict_do_nothing(
                 index_elements=["webhook_id", "event_id"]
             )
             session.execute(statement, deliveries)
@@ -440,67 +571,110 @@ class WebhookSender:
     # --- sending ---
 
     def send_due(self) -> bool:
-        """Post the deliveries that are due (SEND_PAGE at most, SENDERS at once) and record how each went.
-        A job's later move waits for its earlier one to be delivered or given up. True if it sent any."""
-        deliveries, hooks = WebhookDelivery.__table__, Webhook.__table__  # type: ignore[attr-defined]
-        query = (
-            sa_select(deliveries.c.id, deliveries.c.body, deliveries.c.attempts, deliveries.c.job_id)
-            .add_columns(hooks.c.id.label("hook"), hooks.c.url, hooks.c.secret)
-            .join(hooks, hooks.c.id == deliveries.c.webhook_id)
-            .where(deliveries.c.status == PENDING, deliveries.c.next_attempt_at <= utcnow())
-            .order_by(deliveries.c.next_attempt_at, deliveries.c.id)
-            .limit(SEND_PAGE)
-        )
-        with self.engine.connect() as connection:
-            rows = list(connection.execute(query).all())
-            # A few an endpoint a pass: one that times out on every post must not hold up every other's.
-            # A job's moves reach an endpoint in order: of a job's, only its oldest pending delivery is
-            # sent (which may wait for a retry, and not be due). Looked up for the candidates only.
-            per_hook: dict[str, int] = {}
-            candidates = []
-            for row in rows:
-                per_hook[row.hook] = per_hook.get(row.hook, 0) + 1
-                if per_hook[row.hook] <= 2 * PER_ENDPOINT:
-                    candidates.append(row)
-            pairs = sorted({(row.hook, row.job_id) for row in candidates if row.job_id is not None})
-            first: dict[tuple[str, str], int] = {}
-            if pairs:
-                pair = tuple_(deliveries.c.webhook_id, deliveries.c.job_id)
-                oldest = (
-                    sa_select(deliveries.c.webhook_id, deliveries.c.job_id, func.min(deliveries.c.id))
-                    .where(deliveries.c.status == PENDING, pair.in_(pairs))
-                    .group_by(deliveries.c.webhook_id, deliveries.c.job_id)
-                )
-                first = {(hook, job): seq for hook, job, seq in connection.execute(oldest)}
-        taken: dict[str, int] = {}
-        due = []
-        for row in candidates:
-            if row.job_id is not None and first.get((row.hook, row.job_id)) != row.id:
-                continue
-            taken[row.hook] = taken.get(row.hook, 0) + 1
-            if taken[row.hook] <= PER_ENDPOINT:
-                due.append(row)
-        if not due:
-            return False
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=SENDERS, thread_name_prefix="tputune-webhook-post")
-        results = list(self._pool.map(self._post, due))
-        retry = self.settings.webhook_retry_seconds
+        """Record how the posts that ended went, and start posting the deliveries now due: SEND_PAGE a pass
+        at most, PER_ENDPOINT in flight to one endpoint, MAX_IN_FLIGHT in all. Posts run on the sender's
+        event loop and are not waited for: an endpoint that answers slowly, or not at all, holds only its
+        own deliveries. A job's later move waits for its earlier one to be delivered or given up. True if
+        it recorded any (the next of a job's moves may be due now) or left due deliveries for the next."""
+        finished = self._finished()
+        now = utcnow()
         with session_scope(self.engine) as session:
-            for row, result in zip(due, results, strict=True):
-                attempts = row.attempts + 1
-                values: dict[str, Any] = {
-                    "attempts": attempts,
-                    "last_attempt_at": utcnow(),
-                    "response_status": result.response_status,
-                    "last_error": (result.error or "")[:500] or None,
-                }
-                if result.delivered:
-                    values.update(status=DELIVERED, next_attempt_at=None)
-                elif attempts <= len(retry):
-                    values["next_attempt_at"] = utcnow() + timedelta(seconds=retry[attempts - 1])
+            if finished:
+                self._record(session, finished, now)
+            room = MAX_IN_FLIGHT - len(self._in_flight)
+            due = self._due(session, min(room, SEND_PAGE)) if room > 0 else []
+            if due:
+                # Leased while it is in flight: not due again unless this process ends before it records
+                # how it went (then it is sent again: at least once).
+                lease = now + timedelta(seconds=self.settings.webhook_timeout_seconds + LEASE_MARGIN_SECONDS)
+                session.execute(
+                    _deliveries.update()
+                    .where(_deliveries.c.id.in_([row.id for row in due]), _deliveries.c.status == PENDING)
+                    .values(next_attempt_at=lease)
+                )
+            session.commit()
+        for row in due:
+            self._submit(row)
+        # (the posts' ends wake the next pass)
+        return bool(finished) or len(due) == SEND_PAGE
+
+    def _due(self, session: Session, room: int) -> list[Any]:
+        """The deliveries to post now: `room` at most, PER_ENDPOINT in flight to one endpoint, and of a
+        job's, only its oldest pending one (a job's moves reach an endpoint in order).
+
+        One query reads the oldest due (_DUE). Where that is a full page, each endpoint's oldest are read
+        instead, one query each: else an endpoint with a backlog (one that fails fast, say) would fill
+        every page and hold up every other's for as long as it lasts (bench/webhooks.py). A job's later
+        move found behind an earlier one that waits for its retry is put off until then: it cannot go
+        before, and it would come back in every page meanwhile."""
+        in_flight = Counter(self._in_flight.values())
+        full = sorted(hook for hook, count in in_flight.items() if count >= PER_ENDPOINT)
+        connection = session.connection()
+        now = utcnow()
+        rows = list(connection.execute(_DUE, {"now": now, "full": full, "page": SEND_PAGE}))
+        if len(rows) == SEND_PAGE:
+            rows = []
+            for hook in connection.execute(sa_select(_hooks.c.id).order_by(_hooks.c.id)).scalars():
+                if in_flight[hook] < PER_ENDPOINT:
+                    limit = 2 * PER_ENDPOINT - in_flight[hook]
+                    rows += connection.execute(_DUE_OF_ENDPOINT, {"now": now, "hook": hook, "limit": limit})
+            rows.sort(key=lambda row: (as_utc(row.next_attempt_at), row.id))
+        taken: Counter[str] = Counter()
+        candidates: list[tuple[int, int, Any]] = []
+        for row in rows:
+            if row.id not in self._in_flight and in_flight[row.hook] + taken[row.hook] < 2 * PER_ENDPOINT:
+                taken[row.hook] += 1
+                candidates.append((taken[row.hook], len(candidates), row))
+        # Taken in turns: each endpoint's oldest, then each one's second... (where `room` is short)
+        candidates.sort(key=lambda candidate: candidate[:2])
+        pairs = sorted({(row.hook, row.job_id) for *_, row in candidates if row.job_id is not None})
+        first: dict[tuple[str, str], Any] = {}
+        if pairs:
+            for pending in connection.execute(_PENDING_OF_JOBS, {"pairs": pairs}):
+                first.setdefault((pending.webhook_id, pending.job_id), pending)
+        due: list[Any] = []
+        put_off = []
+        for *_, row in candidates:
+            earlier = first.get((row.hook, row.job_id)) if row.job_id is not None else None
+            if earlier is not None and earlier.id != row.id:
+                until = as_utc(earlier.next_attempt_at)
+                if earlier.id not in self._in_flight and until is not None and until > now:
+                    put_off.append({"delivery": row.id, "until": until})
+                continue
+            if in_flight[row.hook] < PER_ENDPOINT and len(due) < room:
+                in_flight[row.hook] += 1
+                due.append(row)
+        if put_off:
+            connection.execute(_PUT_OFF, put_off)
+        return due
+
+    def _record(self, session: Session, finished: list[tuple[Any, Attempt]], now: datetime) -> None:
+        """Store how each post went; an endpoint's failure streak starts or ends; one that has failed every
+        attempt for TPUTUNE_WEBHOOK_DISABLE_AFTER_HOURS is disabled."""
+        retry = self.settings.webhook_retry_seconds
+        delivered: set[str] = set()
+        failing: set[str] = set()
+        updates = []
+        for row, result in finished:
+            attempts = row.attempts + 1
+            values: dict[str, Any] = {
+                "delivery": row.id,
+                "attempts": attempts,
+                "last_attempt_at": now,
+                "response_status": result.response_status,
+                "last_error": (result.error or "")[:500] or None,
+                "status": PENDING,
+                "next_attempt_at": None,
+            }
+            if result.delivered:
+                values["status"] = DELIVERED
+                delivered.add(row.hook)
+            else:
+                failing.add(row.hook)
+                if attempts <= len(retry):
+                    values["next_attempt_at"] = now + timedelta(seconds=retry[attempts - 1])
                 else:
-                    values.update(status=FAILED, next_attempt_at=None)
+                    values["status"] = FAILED
                     log.warning(
                         "webhook %s: delivery %d failed after %d attempts: %s",
                         row.hook,
@@ -508,21 +682,120 @@ class WebhookSender:
                         attempts,
                         result.error,
                     )
-                session.execute(
-                    deliveries.update()
-                    .where(deliveries.c.id == row.id, deliveries.c.status == PENDING)
-                    .values(**values)
-                )
-            session.commit()
-        return True  # (the next of a job's moves may be due now: another pass at once)
+            updates.append(values)
+        session.connection().execute(_RECORD, updates)
+        if delivered:
+            session.execute(
+                _hooks.update()
+                .where(_hooks.c.id.in_(sorted(delivered)), _hooks.c.failing_since.is_not(None))
+                .values(failing_since=None)
+            )
+        failing -= delivered
+        if not failing:
+            return
+        session.execute(
+            _hooks.update()
+            .where(_hooks.c.id.in_(sorted(failing)), _hooks.c.failing_since.is_(None))
+            .values(failing_since=now)
+        )
+        hours = self.settings.webhook_disable_after_hours
+        if hours <= 0:
+            return
+        expired = select(Webhook).where(
+            col(Webhook.id).in_(sorted(failing)),
+            col(Webhook.disabled_at).is_(None),
+            col(Webhook.failing_since) <= now - timedelta(hours=hours),
+        )
+        for hook in session.exec(expired).all():
+            since = as_utc(hook.failing_since)
+            assert since is not None
+            reason = (
+                f"Every delivery failed since {since:%Y-%m-%d %H:%M} UTC ({hours:g} hours or more): fix the "
+                "endpoint, send it a test, and enable it again (PATCH /webhooks/{id} with enabled: true)."
+            )
+            disable(session, hook, reason, now)
+            log.warning("webhook %s disabled: every delivery failed since %s", hook.id, since.isoformat())
 
-    def _post(self, row: Any) -> Attempt:
-        """Post one delivery to the address its host resolves to now (checked), with the signature."""
+    def _finished(self) -> list[tuple[Any, Attempt]]:
+        """The posts that ended since the last pass (and no longer in flight)."""
+        finished: list[tuple[Any, Attempt]] = []
+        while True:
+            try:
+                row, result = self._done.get_nowait()
+            except queue.Empty:
+                return finished
+            self._in_flight.pop(row.id, None)
+            self._futures.pop(row.id, None)
+            finished.append((row, result))
+
+    def settle(self, timeout: float = 60.0) -> int:
+        """Wait for the posts in flight to end and record how they went (what the next pass would do);
+        how many it recorded. For tests and benches that run the sender a pass at a time."""
+        concurrent.futures.wait(list(self._futures.values()), timeout)
+        finished = self._finished()
+        if finished:
+            with session_scope(self.engine) as session:
+                self._record(session, finished, utcnow())
+                session.commit()
+        return len(finished)
+
+    def _submit(self, row: Any) -> None:
+        future = asyncio.run_coroutine_threadsafe(self._post(row), self._event_loop())
+        self._in_flight[row.id] = row.hook
+        self._futures[row.id] = future
+        future.add_done_callback(lambda done: self._posted(row, done))
+
+    def _posted(self, row: Any, future: concurrent.futures.Future[Attempt]) -> None:
+        if future.cancelled():  # (stopping: the delivery stays pending, and is sent again)
+            return
+        self._done.put((row, future.result()))
+        self._wake.set()
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            loop = asyncio.new_event_loop()
+            # Address lookups run on threads: enough that slow DNS for one host leaves others theirs.
+            self._lookups = ThreadPoolExecutor(max_workers=LOOKUPS, thread_name_prefix="tputune-webhook-dns")
+            loop.set_default_executor(self._lookups)
+            self._loop_thread = threading.Thread(
+                target=loop.run_forever, name="tputune-webhook-posts", daemon=True
+            )
+            self._loop_thread.start()
+            self._loop = loop
+        return self._loop
+
+    async def _post(self, row: Any) -> Attempt:
+        """Post one delivery (within the timeout, from the lookup to the answer)."""
+        timeout = self.settings.webhook_timeout_seconds
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._attempt(row)
+        except (TimeoutError, httpx.TimeoutException):
+            return Attempt(False, error=f"no answer within {timeout:g} s")
+
+    async def _address(self, host: str, port: int) -> str:
+        """`resolve` on a lookup thread; an address checked is used again for RESOLVED_SECONDS (a burst to
+        one endpoint looks it up once: the lookup's thread hop cost as much CPU as the post's parsing).
+        What is connected to is still an address that was checked."""
+        key = (host, port)
+        now = time.monotonic()
+        cached = self._resolved.get(key)
+        if cached is not None and cached[1] > now:
+            return cached[0]
+        allow = self.settings.webhook_allow_private
+        address = await asyncio.get_running_loop().run_in_executor(None, resolve, host, port, allow)
+        if len(self._resolved) >= 1024:
+            self._resolved.clear()
+        self._resolved[key] = (address, now + RESOLVED_SECONDS)
+        return address
+
+    async def _attempt(self, row: Any) -> Attempt:
+        """Post to the address its host resolves to now (checked), with the signature."""
         try:
             parts = urlsplit(row.url)
             host = parts.hostname or ""
             port = parts.port or (443 if parts.scheme == "https" else 80)
-            address = resolve(host, port, self.settings.webhook_allow_private)
+            address = await self._address(host, port)
         except Refused as exc:
             return Attempt(False, error=str(exc))
         except ValueError as exc:
@@ -541,7 +814,7 @@ class WebhookSender:
         }
         extensions = {"sni_hostname": host} if parts.scheme == "https" else {}
         try:
-            with self._http().stream(
+            async with self._http().stream(
                 "POST", target, content=row.body, headers=headers, extensions=extensions
             ) as r:
                 if 200 <= r.status_code < 300:
@@ -549,18 +822,19 @@ class WebhookSender:
                 note = " (redirects are not followed)" if 300 <= r.status_code < 400 else ""
                 return Attempt(False, r.status_code, f"HTTP {r.status_code}{note}")
         except httpx.TimeoutException:
-            return Attempt(False, error=f"no answer within {self.settings.webhook_timeout_seconds:g} s")
+            raise
         except httpx.HTTPError as exc:
             return Attempt(False, error=f"{type(exc).__name__}: {exc}")
 
-    def _http(self) -> httpx.Client:
+    def _http(self) -> httpx.AsyncClient:
+        """(On the event loop only.)"""
         if self._client is None:
             bundle = self.settings.webhook_ca_bundle
-            self._client = httpx.Client(
+            self._client = httpx.AsyncClient(
                 verify=ssl.create_default_context(cafile=str(bundle)) if bundle is not None else True,
                 timeout=self.settings.webhook_timeout_seconds,
                 follow_redirects=False,
-                limits=httpx.Limits(max_connections=SENDERS * 2),
+                limits=httpx.Limits(max_connections=MAX_IN_FLIGHT, max_keepalive_connections=64),
             )
         return self._client
 
@@ -575,6 +849,19 @@ class WebhookSender:
                 )
             )
             session.commit()
+
+
+def count_endpoints(session: Session) -> dict[str, int]:
+    """Endpoints by state: enabled, failing (enabled, every delivery failing lately) or disabled."""
+    state = case(
+        (col(Webhook.disabled_at).is_not(None), "disabled"),
+        (col(Webhook.failing_since).is_not(None), "failing"),
+        else_="enabled",
+    )
+    counts = dict.fromkeys(("enabled", "failing", "disabled"), 0)
+    for name, count in session.exec(select(state, func.count()).group_by(state)):
+        counts[name] = count
+    return counts
 
 
 def count_by_status(session: Session) -> dict[str, int]:

@@ -4,8 +4,10 @@ Per database: `--jobs` queued jobs of a team with an endpoint (a local HTTP serv
 `--reports` worker reports (metrics events) written just now, as a busy server has: on PostgreSQL the
 sender reads the events of the last CURSOR_GRACE_SECONDS again on every pass. Then
 - a quiet pass (nothing new: what every second costs the leader), the median of 20;
-- every job fails at once (api.jobs.fail_queued: a status event each): the time until every delivery has
-  been delivered, deliveries per second, and the passes it took.
+- `--jobs` jobs fail at once (api.jobs.fail_queued: a status event each): the time until the endpoint has
+  every delivery, deliveries per second, and the passes it took (run as the sender's thread runs them);
+- again, with a second endpoint of the team's that never answers (each post to it waits out the
+  timeout, 10 s): the time until the first has every delivery.
 The endpoint is Python's http.server in a process of its own, on the same 2 cores.
 Last line: one JSON object.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import socket
 import statistics
 import sys
 import time
@@ -98,25 +101,23 @@ def measure(url: str, workdir: Path, jobs: int, reports: int) -> dict[str, Any]:
         webhook_allow_private=True,
     )
     endpoint = Endpoint()
+    hook = {
+        "id": "wh_bench",
+        "tenant": "bench",
+        "url": endpoint.url,
+        "events": list(DEFAULT_EVENTS),
+        "secret": new_secret(),
+        "created_at": utcnow(),
+    }
     spec = JobCreate.model_validate({"name": "b", "model": "tiny", "dataset_uri": str(dataset)})
     with engine.begin() as connection:
-        connection.execute(
-            insert(Webhook.__table__),  # type: ignore[attr-defined]
-            {
-                "id": "wh_bench",
-                "tenant": "bench",
-                "url": endpoint.url,
-                "events": list(DEFAULT_EVENTS),
-                "secret": new_secret(),
-                "created_at": utcnow(),
-            },
-        )
-        write_jobs(connection, [prepare_job(spec, settings, "bench") for _ in range(jobs)])
+        connection.execute(insert(Webhook.__table__), hook)  # type: ignore[attr-defined]
+        write_jobs(connection, [prepare_job(spec, settings, "bench") for _ in range(2 * jobs)])
         seqs = list(connection.execute(text("SELECT seq FROM jobs ORDER BY seq")).scalars())
         now = utcnow()
         rows = [
             {
-                "job_seq": seqs[i % jobs],
+                "job_seq": seqs[i % len(seqs)],
                 "created_at": now,
                 "type": "metrics",
                 "message": "",
@@ -131,38 +132,58 @@ def measure(url: str, workdir: Path, jobs: int, reports: int) -> dict[str, Any]:
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
             connection.execute(text("ANALYZE"))
     sender = WebhookSender(engine, settings)
-    sender.tick()  # (the cursor read, the pools made)
+    sender.tick()  # (the cursor read)
     quiet = []
     for _ in range(20):
         started = time.perf_counter()
         sender.tick()
         quiet.append(time.perf_counter() - started)
+    figures: dict[str, Any] = {"quiet_pass_ms": round(statistics.median(quiet) * 1000, 2)}
+    figures.update(burst(engine, sender, endpoint, seqs[:jobs], settings))
+    # Again, with a second endpoint of the team's that never answers (each post waits out the timeout).
+    hanging = socket.create_server(("127.0.0.1", 0), backlog=128)  # (connections made, never accepted)
     with engine.begin() as connection:
-        failed = fail_queued(connection, [(seq, "bench", "The bench ended it.") for seq in seqs])
-    assert len(failed) == jobs
-    started = time.perf_counter()
-    passes = 0
-    while endpoint.count < jobs:
-        sender.tick()
-        passes += 1
-        if time.perf_counter() - started > 600:
-            raise RuntimeError(f"only {endpoint.count} of {jobs} delivered in 10 minutes")
-    took = time.perf_counter() - started
-    sender.tick()  # (the last results recorded)
-    with engine.connect() as connection:
-        delivered = connection.execute(
-            text("SELECT count(*) FROM webhook_deliveries WHERE status = 'delivered'")
-        ).scalar_one()
+        connection.execute(
+            insert(Webhook.__table__),  # type: ignore[attr-defined]
+            {**hook, "id": "wh_hanging", "url": f"http://127.0.0.1:{hanging.getsockname()[1]}/hook"},
+        )
+    beside = burst(engine, sender, endpoint, seqs[jobs:], settings)
+    figures.update({f"{key}_beside_hanging": value for key, value in beside.items()})
     sender.close()
+    hanging.close()
     endpoint.close()
     engine.dispose()
+    return figures
+
+
+def burst(
+    engine: Any, sender: WebhookSender, endpoint: Endpoint, seqs: list[int], settings: Settings
+) -> dict[str, Any]:
+    """The jobs `seqs` fail at once; the sender's passes run as its thread runs them (`step`) until the
+    endpoint has every one."""
+    before = endpoint.count
+    with engine.begin() as connection:
+        failed = fail_queued(connection, [(seq, "bench", "The bench ended it.") for seq in seqs])
+    assert len(failed) == len(seqs)
+    started = time.perf_counter()
+    passes = 0
+    while endpoint.count - before < len(seqs):
+        sender.step()
+        passes += 1
+        if time.perf_counter() - started > 600:
+            raise RuntimeError(f"only {endpoint.count - before} of {len(seqs)} delivered in 10 minutes")
+    took = time.perf_counter() - started
+    sender.settle(timeout=30)  # (what the endpoints answered, recorded)
+    with engine.connect() as connection:
+        delivered = connection.execute(
+            text("SELECT count(*) FROM webhook_deliveries WHERE status = 'delivered' AND webhook_id = :id"),
+            {"id": "wh_bench"},
+        ).scalar_one()
     return {
-        "quiet_pass_ms": round(statistics.median(quiet) * 1000, 2),
         "burst_seconds": round(took, 2),
-        "deliveries_per_second": round(jobs / took),
+        "deliveries_per_second": round(len(seqs) / took),
         "passes": passes,
-        "delivered": delivered,
-        "posted": endpoint.count,
+        "delivered": delivered - before,
     }
 
 
@@ -182,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{database:8} quiet pass {row['quiet_pass_ms']:7.2f} ms ({args.reports:,} reports in the "
                 f"last minute); {args.jobs:,} jobs ending at once: delivered in {row['burst_seconds']:.2f} s "
-                f"({row['deliveries_per_second']:,}/s, {row['passes']} passes)",
+                f"({row['deliveries_per_second']:,}/s, {row['passes']} passes); beside an endpoint that "
+                f"never answers: {row['burst_seconds_beside_hanging']:.2f} s "
+                f"({row['deliveries_per_second_beside_hanging']:,}/s, {row['passes_beside_hanging']} passes)",
                 flush=True,
             )
             figures.append(row)

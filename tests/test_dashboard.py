@@ -854,7 +854,7 @@ def test_a_revoked_keys_stream_stops_and_asks_to_sign_in(
     expect(page.locator("#signin")).to_be_visible()
 
 
-def test_the_webhooks_page_adds_tests_and_deletes_an_endpoint(
+def test_the_webhooks_page_adds_tests_disables_resends_and_deletes_an_endpoint(
     live_api: Callable[..., LiveApi], open_tab: Callable[[LiveApi, str], Tab]
 ) -> None:
     from tests.test_webhooks import OPEN, Receiver, verify
@@ -886,6 +886,7 @@ def test_the_webhooks_page_adds_tests_and_deletes_an_endpoint(
         expect(rows).to_have_count(1)
         hook_id = rows.first.get_attribute("data-webhook-id")
         expect(rows.first.locator("td").nth(2)).to_have_text("job.running, job.succeeded, job.failed")
+        expect(rows.first.locator("td").nth(3)).to_have_text("enabled")
         expect(page.get_by_label("URL")).to_have_value("")  # (the form is cleared)
 
         page.get_by_role("button", name=f"Send a test event to {hook_id}").click()
@@ -896,6 +897,18 @@ def test_the_webhooks_page_adds_tests_and_deletes_an_endpoint(
         screenshot(page, "webhooks")
         [ping] = receiver.wait(1)
         assert ping["type"] == "webhook.test" and verify(secret.inner_text(), receiver.requests[0])
+
+        # Disabled and enabled again; the delivered test sent again (the same message).
+        page.get_by_role("button", name=f"Disable {hook_id}").click()
+        expect(rows.first.locator("td").nth(3)).to_have_text(
+            f"disabled Disabled; enable it with PATCH /webhooks/{hook_id}.", use_inner_text=True
+        )
+        page.get_by_role("button", name=f"Enable {hook_id}").click()
+        expect(rows.first.locator("td").nth(3)).to_have_text("enabled")
+        delivery_id = delivered.first.get_attribute("data-delivery-id")
+        page.get_by_role("button", name=f"Send delivery {delivery_id} again").click()
+        assert receiver.wait(2)[1] == ping
+        expect(delivered.first.locator("td").nth(3)).to_have_text("delivered", timeout=15_000)
 
         page.once("dialog", lambda dialog: dialog.accept())
         page.get_by_role("button", name=f"Delete {hook_id}").click()

@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, insert, inspect, text
@@ -339,3 +340,45 @@ def test_the_webhook_sender_starts_after_the_events_stored_before(
     with engine.connect() as connection:
         assert connection.execute(text("SELECT event_id FROM webhook_cursor")).scalar_one() == 0
     engine.dispose()
+
+
+def test_webhooks_stored_before_are_enabled_and_keep_their_deliveries(database_url: str) -> None:
+    """0012 adds an endpoint's failure streak and disabling: those stored before are enabled, with no
+    streak; going back to 0011 drops the columns and keeps every endpoint's deliveries (a batch copy of
+    the table would drop them by their foreign key's cascade on SQLite)."""
+    downgrade(database_url, "0011")
+    engine = make_engine(database_url)
+    now = utcnow()
+    hook = {"id": "wh_1", "tenant": "t", "url": "https://example.com/", "events": '["job.failed"]'}
+    with engine.begin() as connection:
+        connection.execute(
+            text(
+                "INSERT INTO webhooks (id, tenant, url, events, secret, created_at) "
+                "VALUES (:id, :tenant, :url, :events, 'whsec_x', :now)"
+            ),
+            {**hook, "now": now},
+        )
+        connection.execute(
+            text(
+                "INSERT INTO webhook_deliveries (webhook_id, type, body, status, attempts, created_at) "
+                "VALUES ('wh_1', 'webhook.test', '{}', 'delivered', 1, :now)"
+            ),
+            {"now": now},
+        )
+    engine.dispose()
+
+    def stored() -> tuple[list[Any], int]:
+        engine = make_engine(database_url)
+        with engine.connect() as connection:
+            columns = {column["name"] for column in inspect(connection).get_columns("webhooks")}
+            added = sorted({"failing_since", "disabled_at", "disabled_reason", "enabled_at"} & columns)
+            rows = connection.execute(text(f"SELECT id, {', '.join(['url', *added])} FROM webhooks")).all()
+            count = connection.execute(text("SELECT count(*) FROM webhook_deliveries")).scalar_one()
+        engine.dispose()
+        return [tuple(row) for row in rows], count
+
+    upgrade(database_url)
+    assert stored() == ([("wh_1", "https://example.com/", None, None, None, None)], 1)
+    downgrade(database_url, "0011")
+    assert stored() == ([("wh_1", "https://example.com/")], 1)
+    upgrade(database_url)

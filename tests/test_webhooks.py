@@ -1,7 +1,8 @@
 """Webhooks: endpoints per tenant, signed deliveries of jobs' moves, retries, and the address rules.
 
 The endpoint is a real HTTP server on this machine; the sender is the real one, run a pass at a time
-(`tick`) or, in the last test, in the dispatcher of a running app with a worker process."""
+(`step`: a pass and its posts), in its own thread, or in the dispatcher of a running app with a worker
+process."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class Receiver:
         self.server_names: list[str | None] = []  # (TLS: the names clients asked for, SNI)
         self.answers: list[int] = []
         self.fail_once: str | None = None  # an event type: the first request of that type gets a 500
+        self.delay = 0.0  # seconds each answer waits (after the request is recorded)
         self.arrived = threading.Condition()
         receiver = self
 
@@ -63,6 +65,7 @@ class Receiver:
                         }
                     )
                     receiver.arrived.notify_all()
+                time.sleep(receiver.delay)
                 self.send_response(status)
                 self.send_header("content-length", "0")
                 self.end_headers()
@@ -104,15 +107,34 @@ def open_client(make_settings: Callable[..., Settings]) -> Iterator[TestClient]:
         yield test_client
 
 
+_senders: list[WebhookSender] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_senders() -> Iterator[None]:
+    yield
+    while _senders:
+        _senders.pop().stop()
+
+
 def sender(client: TestClient, **overrides: Any) -> WebhookSender:
     settings = client.app.state.settings.model_copy(update=overrides)  # type: ignore[attr-defined]
-    return WebhookSender(client.app.state.engine, settings)  # type: ignore[attr-defined]
+    send = WebhookSender(client.app.state.engine, settings)  # type: ignore[attr-defined]
+    _senders.append(send)
+    return send
+
+
+def step(send: WebhookSender) -> bool:
+    """One pass, then its posts waited for and recorded (what the next pass would do); whether there
+    is more to do."""
+    more = send.tick()
+    return send.settle() > 0 or more
 
 
 def drain(send: WebhookSender) -> None:
     """Passes until one finds nothing to do (a job's moves go one a pass)."""
     for _ in range(20):
-        if not send.tick():
+        if not step(send):
             return
     raise AssertionError("the sender still had work after 20 passes")
 
@@ -263,13 +285,13 @@ def test_a_jobs_end_is_posted_signed_and_retried_until_delivered(
     move(client, job_id, JobStatus.starting, JobStatus.running, JobStatus.succeeded)
     receiver.answers = [500]
     send = sender(client)
-    send.tick()  # the first attempt gets a 500
+    step(send)  # the first attempt gets a 500
     assert len(receiver.requests) == 1
     [first] = deliveries(client, hook["id"])
     assert (first["status"], first["attempts"], first["response_status"]) == ("pending", 1, 500)
     assert first["last_error"] == "HTTP 500" and first["next_attempt_at"] is not None
-    send.tick()  # the retry (no wait: TPUTUNE_WEBHOOK_RETRY_SECONDS=0,0) gets a 200
-    send.tick()  # and nothing more is sent
+    step(send)  # the retry (no wait: TPUTUNE_WEBHOOK_RETRY_SECONDS=0,0) gets a 200
+    step(send)  # and nothing more is sent
     assert len(receiver.requests) == 2
     [done] = deliveries(client, hook["id"])
     assert (done["status"], done["attempts"], done["response_status"]) == ("delivered", 2, 200)
@@ -334,7 +356,7 @@ def test_a_jobs_moves_reach_an_endpoint_in_order(
     move(client, other, JobStatus.cancelled)
     receiver.fail_once = "job.running"
     send = sender(client)
-    send.tick()
+    step(send)
     assert sorted(e["type"] for e in receiver.events()) == ["job.cancelled", "job.running"]
     drain(send)
     assert [e["type"] for e in receiver.events() if e["data"]["id"] == job_id] == [
@@ -367,7 +389,7 @@ def test_a_delivery_gives_up_after_its_retries(
     receiver.answers = [503, 503, 503, 503]
     send = sender(client)
     for _ in range(5):
-        send.tick()
+        step(send)
     assert len(receiver.requests) == 3  # the first attempt and two retries (TPUTUNE_WEBHOOK_RETRY_SECONDS)
     [failed] = deliveries(client, hook["id"])
     assert (failed["status"], failed["attempts"], failed["last_error"]) == ("failed", 3, "HTTP 503")
@@ -385,13 +407,207 @@ def test_a_host_that_resolves_to_a_private_address_is_not_posted_to(
     client = open_client
     hook = client.post("/webhooks", json={"url": receiver.url.replace("127.0.0.1", "localhost")}).json()
     move(client, new_job(client, dataset), JobStatus.cancelled)
-    sender(client, webhook_allow_private=False).tick()
+    step(sender(client, webhook_allow_private=False))
     assert receiver.requests == []
     [refused] = deliveries(client, hook["id"])
     assert refused["status"] == "pending" and refused["response_status"] is None
     assert "resolves to a private or local address (127.0.0.1)" in refused["last_error"]
-    sender(client).tick()  # allowed again: sent
+    step(sender(client))  # allowed again: sent
     assert len(receiver.requests) == 1 and receiver.requests[0]["headers"]["host"].startswith("localhost:")
+
+
+def test_a_slow_endpoint_holds_only_its_own_deliveries(
+    make_settings: Callable[..., Settings], dataset: Path, receiver: Receiver
+) -> None:
+    """An endpoint that takes longer than the timeout to answer: another endpoint is told of the moves
+    made meanwhile at once, not after the slow one's posts time out."""
+    settings = make_settings(
+        dispatcher_enabled=False, webhook_retry_seconds=[30.0], webhook_timeout_seconds=3.0, **OPEN
+    )
+    slow = Receiver()
+    slow.delay = 4.0
+    try:
+        with TestClient(create_app(settings)) as client:
+            stuck = client.post("/webhooks", json={"url": slow.url}).json()
+            client.post("/webhooks", json={"url": receiver.url})
+            first, second = new_job(client, dataset), new_job(client, dataset)
+            send = sender(client)
+            send.start()
+            move(client, first, JobStatus.cancelled)
+            receiver.wait(1)
+            slow.wait(1)  # (its answer would come in 4 s)
+            moved = time.monotonic()
+            move(client, second, JobStatus.cancelled)
+            receiver.wait(2, timeout=10)
+            assert time.monotonic() - moved < 2.0  # (the slow post's timeout is 3 s)
+            assert [e["data"]["id"] for e in receiver.events()] == [first, second]
+            deadline = time.monotonic() + 10
+            while not (timed_out := deliveries(client, stuck["id"], "?status=pending")) or not all(
+                d["attempts"] for d in timed_out
+            ):
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            # The slow endpoint: both posts timed out (retried in 30 s).
+            assert {d["job_id"]: d["last_error"] for d in timed_out} == {
+                first: "no answer within 3 s",
+                second: "no answer within 3 s",
+            }
+    finally:
+        slow.server.shutdown()
+        slow.server.server_close()
+
+
+def test_an_endpoint_with_a_backlog_does_not_hold_up_another(
+    make_settings: Callable[..., Settings],
+    dataset: Path,
+    receiver: Receiver,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An endpoint that fails every post at once, with more due than a page (here 4): another endpoint's
+    delivery goes out in the same pass, not after the backlog's. A job's later move behind an earlier one
+    waiting for its retry is put off until then."""
+    monkeypatch.setattr(webhooks, "SEND_PAGE", 4)
+    settings = make_settings(dispatcher_enabled=False, webhook_retry_seconds=[30.0], **OPEN)
+    failing = Receiver()
+    failing.answers = [500] * 100
+    try:
+        with TestClient(create_app(settings)) as client:
+            events = ["job.running", "job.cancelled"]
+            backlog = client.post("/webhooks", json={"url": failing.url, "events": events}).json()
+            ordered = new_job(client, dataset)
+            move(client, ordered, JobStatus.starting, JobStatus.running, JobStatus.cancelling)
+            move(client, ordered, JobStatus.cancelled)
+            for _ in range(10):
+                move(client, new_job(client, dataset), JobStatus.cancelled)
+            client.post("/webhooks", json={"url": receiver.url})
+            job_id = new_job(client, dataset)
+            move(client, job_id, JobStatus.cancelled)
+            send = sender(client)
+            step(send)  # (4 a pass: SEND_PAGE)
+            assert [e["data"]["id"] for e in receiver.events()] == [job_id]
+            assert len(failing.requests) == 3
+            step(send)
+            mine = {(d["job_id"], d["type"]): d for d in deliveries(client, backlog["id"], "?limit=100")}
+            running, cancelled = mine[ordered, "job.running"], mine[ordered, "job.cancelled"]
+            assert (running["attempts"], running["response_status"]) == (1, 500)
+            assert cancelled["attempts"] == 0 and cancelled["next_attempt_at"] == running["next_attempt_at"]
+            drain(send)
+            assert len(failing.requests) == 12  # (every move, of 12 jobs, but the one put off)
+            heard = [(e["data"]["id"], e["type"]) for e in failing.events()]
+            assert (ordered, "job.running") in heard and (ordered, "job.cancelled") not in heard
+    finally:
+        failing.server.shutdown()
+        failing.server.server_close()
+
+
+def test_an_endpoint_failing_for_long_is_disabled_until_enabled(
+    make_settings: Callable[..., Settings], dataset: Path, receiver: Receiver
+) -> None:
+    """Every attempt failing for TPUTUNE_WEBHOOK_DISABLE_AFTER_HOURS (here 1.8 s): the endpoint is
+    disabled, its pending deliveries given up and no new ones written; a test still goes to it; enabled
+    again, it hears of new moves, and a missed delivery can be sent again."""
+    settings = make_settings(
+        dispatcher_enabled=False,
+        webhook_retry_seconds=[0.2] * 50,
+        webhook_disable_after_hours=0.0005,
+        **OPEN,
+    )
+    with TestClient(create_app(settings)) as client:
+        hook = client.post("/webhooks", json={"url": receiver.url}).json()
+        assert (hook["enabled"], hook["disabled_reason"], hook["failing_since"]) == (True, None, None)
+        missed = new_job(client, dataset)
+        move(client, missed, JobStatus.cancelled)
+        receiver.answers = [500] * 1000
+        send = sender(client)
+        started = time.monotonic()
+        step(send)
+        failing = client.get(f"/webhooks/{hook['id']}").json()
+        assert failing["enabled"] and failing["failing_since"] is not None
+        assert 'tputune_webhooks{state="failing"} 1.0' in client.get("/metrics").text
+        while client.get(f"/webhooks/{hook['id']}").json()["enabled"]:
+            assert time.monotonic() - started < 20
+            step(send)
+            time.sleep(0.05)
+        assert time.monotonic() - started >= 1.8
+        now = client.get(f"/webhooks/{hook['id']}").json()
+        assert now["disabled_reason"].startswith("Every delivery failed since ") and now["disabled_at"]
+        assert now["failing_since"] is not None
+        [given_up] = deliveries(client, hook["id"])
+        assert given_up["status"] == "failed" and given_up["attempts"] >= 5
+        assert given_up["last_error"] == "not sent: the endpoint was disabled"
+        assert 'tputune_webhooks{state="disabled"} 1.0' in client.get("/metrics").text
+        tries = len(receiver.requests)
+        # Disabled: a move is not written for it, and nothing is sent.
+        move(client, new_job(client, dataset), JobStatus.cancelled)
+        drain(send)
+        assert len(receiver.requests) == tries and len(deliveries(client, hook["id"])) == 1
+        retried = client.post(f"/webhooks/{hook['id']}/deliveries/{given_up['id']}/retry")
+        assert retried.status_code == 409 and retried.json()["error"]["code"] == "webhook_disabled"
+        # The endpoint fixed: a test is sent to it though it is disabled, and ends the failure streak.
+        receiver.answers = []
+        assert client.post(f"/webhooks/{hook['id']}/test").status_code == 202
+        drain(send)
+        assert receiver.events()[-1]["type"] == "webhook.test"
+        now = client.get(f"/webhooks/{hook['id']}").json()
+        assert now["enabled"] is False and now["failing_since"] is None
+        # Enabled again: what it missed is sent again on request (the same message), new moves go out.
+        enabled = client.patch(f"/webhooks/{hook['id']}", json={"enabled": True})
+        assert enabled.status_code == 200, enabled.text
+        assert (enabled.json()["enabled"], enabled.json()["disabled_reason"]) == (True, None)
+        assert 'tputune_webhooks{state="enabled"} 1.0' in client.get("/metrics").text
+        retried = client.post(f"/webhooks/{hook['id']}/deliveries/{given_up['id']}/retry")
+        assert retried.status_code == 202 and retried.json()["status"] == "pending"
+        again = client.post(f"/webhooks/{hook['id']}/deliveries/{given_up['id']}/retry")
+        assert again.status_code == 409 and again.json()["error"]["code"] == "delivery_pending"
+        later = new_job(client, dataset)
+        move(client, later, JobStatus.cancelled)
+        drain(send)
+        sent = receiver.requests[tries + 1 :]
+        assert sorted(json.loads(r["body"])["data"]["id"] for r in sent) == sorted([missed, later])
+        resent = next(r for r in sent if json.loads(r["body"])["data"]["id"] == missed)
+        assert resent["body"] == receiver.requests[0]["body"]
+        assert resent["headers"]["webhook-id"] == receiver.requests[0]["headers"]["webhook-id"]
+        assert {d["status"] for d in deliveries(client, hook["id"])} == {"delivered"}
+
+
+def test_an_endpoint_is_changed_and_disabled_by_its_team(
+    open_client: TestClient, dataset: Path, receiver: Receiver
+) -> None:
+    client = open_client
+    hook = client.post("/webhooks", json={"url": "https://ci.example.com/a", "description": "CI"}).json()
+    path = f"/webhooks/{hook['id']}"
+    for body, code in [
+        ({"url": "ftp://ci.example.com/"}, "invalid_webhook_url"),
+        ({"events": []}, "invalid_request"),
+        ({"events": ["job.queued"]}, "invalid_request"),
+        ({"secret": "whsec_x"}, "invalid_request"),
+    ]:
+        refused = client.patch(path, json=body)
+        assert refused.status_code == 422 and refused.json()["error"]["code"] == code, refused.text
+    changed = client.patch(path, json={"url": receiver.url, "events": ["job.cancelled", "job.running"]})
+    assert changed.status_code == 200, changed.text
+    assert changed.json()["url"] == receiver.url and changed.json()["description"] == "CI"
+    assert changed.json()["events"] == ["job.running", "job.cancelled"]
+    assert client.patch(path, json={"description": None}).json()["description"] is None
+    assert client.get(path).json()["url"] == receiver.url
+    # Disabled by its team: its pending delivery is given up, and nothing more is sent.
+    move(client, new_job(client, dataset), JobStatus.cancelled)
+    sender(client).scan()
+    off = client.patch(path, json={"enabled": False})
+    assert off.json()["enabled"] is False and off.json()["disabled_reason"].startswith("Disabled; enable")
+    [pending] = deliveries(client, hook["id"])
+    assert (pending["status"], pending["last_error"]) == ("failed", "not sent: the endpoint was disabled")
+    move(client, new_job(client, dataset), JobStatus.cancelled)
+    drain(sender(client))
+    assert receiver.requests == []
+    assert client.patch(path, json={"enabled": True}).json()["enabled"] is True
+    job_id = new_job(client, dataset)
+    move(client, job_id, JobStatus.cancelled)
+    drain(sender(client))
+    assert [e["data"]["id"] for e in receiver.events()] == [job_id]
+    assert client.patch("/webhooks/wh_0000000000000000", json={"enabled": True}).status_code == 404
+    other = client.post(f"/webhooks/{hook['id']}/deliveries/{pending['id'] + 100}/retry")
+    assert other.status_code == 404 and other.json()["error"]["code"] == "delivery_not_found"
 
 
 def certificates(tmp_path: Path) -> tuple[Path, Callable[[str], ssl.SSLContext]]:
@@ -513,12 +729,12 @@ def test_an_event_committed_after_a_later_one_is_not_missed(
         move(client, quick, JobStatus.cancelled)  # a later id, committed
         send = sender(client)
         send.late_check_seconds = 0  # (every pass reads the events after the cursor again, not every 5 s)
-        send.tick()
+        step(send)
         assert [e["data"]["id"] for e in receiver.events()] == [quick]
         held.commit()
-    send.tick()
+    step(send)
     assert sorted(e["data"]["id"] for e in receiver.events()) == sorted([quick, slow])
-    send.tick()
+    step(send)
     assert len(receiver.requests) == 2
 
 
@@ -544,7 +760,7 @@ def test_the_cursor_moves_on_without_endpoints(open_client: TestClient, dataset:
     move(client, new_job(client, dataset), JobStatus.cancelled)
     send = sender(client)
     send.grace = 0.0
-    send.tick()
+    step(send)
     with Session(client.app.state.engine) as session:  # type: ignore[attr-defined]
         cursor = session.get(WebhookCursor, 1)
         last = session.exec(text("SELECT max(id) FROM job_events")).scalar_one()  # type: ignore[call-overload]
@@ -606,5 +822,18 @@ def test_webhooks_commands(live_api: Callable[..., LiveApi], receiver: Receiver,
     row = table.splitlines()[1].split()
     assert row[3:7] == ["webhook.test", "-", "delivered", "1"] and row[-1] == "200"
     assert run("deliveries", hook_id, "--status", "failed").splitlines()[1:] == []
+    off = run("disable", hook_id)
+    assert off.startswith(f"{hook_id}: disabled (job.running, job.failed) {receiver.url}\n")
+    assert f"enable it with PATCH /webhooks/{hook_id}" in off
+    assert " disabled " in run("list")
+    changed = run("update", hook_id, "--events", "job.succeeded", "--description", "")
+    assert changed == f"{hook_id}: disabled (job.succeeded) {receiver.url}\n" + off.splitlines()[1] + "\n"
+    assert run("enable", hook_id) == f"{hook_id}: enabled (job.succeeded) {receiver.url}\n"
+    assert " enabled " in run("list")
+    assert run("retry", hook_id, row[0]) == f"delivery {row[0]} (webhook.test) is sent again\n"
+    again = receiver.wait(2)
+    assert again[1] == again[0] and receiver.requests[1]["headers"]["webhook-id"] == ping["id"]
+    assert main(["--api-url", api.url, "webhooks", "retry", hook_id, "99999"]) == 3
+    assert "delivery_not_found" in capsys.readouterr().err
     assert run("delete", hook_id) == f"{hook_id} deleted\n"
     assert hook_id not in run("list")

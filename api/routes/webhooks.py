@@ -6,7 +6,7 @@ import json
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Path, Query, Response
 from pydantic import BaseModel, Field
 from sqlmodel import Session, col, func, select
 
@@ -55,6 +55,15 @@ class WebhookPublic(BaseModel):
     events: list[str]
     description: str | None
     created_at: datetime
+    enabled: bool = Field(
+        description="False while nothing is sent to it: disabled by its team, or by the server once every "
+        "delivery failed for TPUTUNE_WEBHOOK_DISABLE_AFTER_HOURS (`disabled_reason` says which)."
+    )
+    disabled_at: datetime | None
+    disabled_reason: str | None
+    failing_since: datetime | None = Field(
+        description="When its deliveries began to fail, every one since (null: the last was delivered)."
+    )
 
     @classmethod
     def of(cls, row: Webhook) -> WebhookPublic:
@@ -65,7 +74,31 @@ class WebhookPublic(BaseModel):
             events=row.events,
             description=row.description,
             created_at=as_utc(row.created_at),  # type: ignore[arg-type]
+            enabled=row.disabled_at is None,
+            disabled_at=as_utc(row.disabled_at),
+            disabled_reason=row.disabled_reason,
+            failing_since=as_utc(row.failing_since),
         )
+
+
+class WebhookUpdate(BaseModel):
+    url: Annotated[str, Field(min_length=1, max_length=2048)] | None = Field(
+        default=None, description="A new URL (checked as at creation); the secret stays."
+    )
+    events: list[EventType] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=len(service.EVENT_TYPES),
+        description="The moves to be told of.",
+    )
+    description: Annotated[Text, Field(max_length=256)] | None = None
+    enabled: bool | None = Field(
+        default=None,
+        description="false: send nothing more (its pending deliveries are given up); true: send again the "
+        "moves made from now on (a disabled endpoint's failure streak is forgotten).",
+    )
+
+    model_config = {"extra": "forbid", "json_schema_extra": {"examples": [{"enabled": True}]}}
 
 
 class WebhookCreated(WebhookPublic):
@@ -199,6 +232,37 @@ def get_webhook(webhook_id: str, session: SessionDep, scope: TenantDep) -> Respo
     return json_response(WebhookPublic.of(_webhook(session, scope, webhook_id)))
 
 
+@router.patch(
+    "/{webhook_id}", response_model=WebhookPublic, summary="Change a webhook endpoint", responses=_not_found
+)
+def update_webhook(
+    webhook_id: str,
+    body: WebhookUpdate,
+    session: SessionDep,
+    settings: SettingsDep,
+    scope: TenantDep,
+    principal: PrincipalDep,
+) -> Response:
+    """Its URL, events, description, or whether it is sent to: `{"enabled": true}` after fixing an
+    endpoint the server disabled (send it a test first: a disabled endpoint is still sent its tests)."""
+    row = _webhook(session, scope, webhook_id)
+    if body.url is not None:
+        row.url = service.check_url(body.url, settings)
+    if body.events is not None:
+        row.events = [event for event in service.EVENT_TYPES if event in body.events]
+    if "description" in body.model_fields_set:
+        row.description = body.description
+    if body.enabled is True and row.disabled_at is not None:
+        service.enable(session, row)
+    elif body.enabled is False and row.disabled_at is None:
+        by = f" by {principal.who}" if principal.who else ""
+        reason = f"Disabled{by}; enable it with PATCH /webhooks/{row.id}."
+        service.disable(session, row, reason)
+    session.add(row)
+    session.commit()
+    return json_response(WebhookPublic.of(row))
+
+
 @router.delete(
     "/{webhook_id}", response_model=WebhookPublic, summary="Delete a webhook endpoint", responses=_not_found
 )
@@ -227,6 +291,49 @@ def test_webhook(webhook_id: str, session: SessionDep, scope: TenantDep) -> Resp
     session.add(delivery)
     session.commit()
     return json_response(DeliveryPublic.of(delivery), 202)
+
+
+@router.post(
+    "/{webhook_id}/deliveries/{delivery_id}/retry",
+    status_code=202,
+    response_model=DeliveryPublic,
+    summary="Send a delivery again",
+    responses={
+        **_not_found,
+        409: {"model": ErrorResponse, "description": "It is pending already, or the endpoint is disabled."},
+    },
+)
+def retry_delivery(
+    webhook_id: str,
+    delivery_id: Annotated[int, Path(ge=1, le=MAX_ID)],
+    session: SessionDep,
+    scope: TenantDep,
+) -> Response:
+    """A failed (or delivered) delivery is sent again, the same body and `webhook-id`, with its retries
+    anew: what an endpoint missed while it was down. A job's later moves wait for it, as they would have."""
+    hook = _webhook(session, scope, webhook_id)
+    row = session.get(WebhookDelivery, delivery_id)
+    if row is None or row.webhook_id != hook.id:
+        raise ApiError(
+            404,
+            "delivery_not_found",
+            f"Webhook {hook.id} has no delivery {delivery_id}; "
+            f"list them with GET /webhooks/{hook.id}/deliveries.",
+        )
+    if row.status == service.PENDING:
+        raise ApiError(
+            409, "delivery_pending", f"Delivery {delivery_id} is pending: it is sent (and retried) already."
+        )
+    if hook.disabled_at is not None and row.type != service.TEST_EVENT:
+        raise ApiError(
+            409,
+            "webhook_disabled",
+            f"Webhook {hook.id} is disabled; enable it first (PATCH /webhooks/{hook.id} with enabled: true).",
+        )
+    row.status, row.attempts, row.next_attempt_at = service.PENDING, 0, utcnow()
+    session.add(row)
+    session.commit()
+    return json_response(DeliveryPublic.of(row), 202)
 
 
 @router.get(

@@ -1,4 +1,5 @@
-// The webhooks page: GET /webhooks, and add, test and delete endpoints; an endpoint's deliveries.
+// The webhooks page: GET /webhooks, and add, test, enable or disable and delete endpoints; an endpoint's
+// deliveries, a missed one sent again.
 import { api, el, minute as when, showError, showingErrors } from "./common.js";
 
 const tbody = document.querySelector("#webhooks tbody");
@@ -21,9 +22,19 @@ function button(text, label, onClick) {
 function actions(hook) {
   const test = button("Send test", `Send a test event to ${hook.id}`, () =>
     act(async () => {
-      await api(`/webhooks/${encodeURIComponent(hook.id)}/test`, { method: "POST" });
+      await api(`${path}/test`, { method: "POST" });
       shown = hook;
     }),
+  );
+  const path = `/webhooks/${encodeURIComponent(hook.id)}`;
+  const toggle = button(hook.enabled ? "Disable" : "Enable", `${hook.enabled ? "Disable" : "Enable"} ${hook.id}`, () =>
+    act(() =>
+      api(path, {
+        method: "PATCH",
+        headers: { "Content-Type": "application/json" },
+        body: JSON.stringify({ enabled: !hook.enabled }),
+      }),
+    ),
   );
   const show = button("Deliveries", `Deliveries of ${hook.id}`, () => {
     shown = hook;
@@ -32,11 +43,19 @@ function actions(hook) {
   const remove = button("Delete", `Delete ${hook.id}`, () => {
     if (!confirm(`Delete ${hook.id} (${hook.url})? Nothing more is sent to it.`)) return;
     act(async () => {
-      await api(`/webhooks/${encodeURIComponent(hook.id)}`, { method: "DELETE" });
+      await api(path, { method: "DELETE" });
       if (shown?.id === hook.id) shown = null;
     });
   });
-  return [test, " ", show, " ", remove];
+  return [test, " ", toggle, " ", show, " ", remove];
+}
+
+function state(hook) {
+  if (!hook.enabled) {
+    return [el("span", { text: "disabled", className: "webhook-disabled" }), el("br"), el("small", { text: hook.disabled_reason ?? "" })];
+  }
+  if (hook.failing_since) return [el("span", { text: `failing since ${when(hook.failing_since)}`, className: "webhook-failing" })];
+  return [el("span", { text: "enabled" })];
 }
 
 function row(hook) {
@@ -46,6 +65,7 @@ function row(hook) {
     el("td", {}, what),
     el("td", { text: hook.tenant }),
     el("td", { text: hook.events.join(", ") }),
+    el("td", {}, state(hook)),
     el("td", { text: when(hook.created_at) }),
     el("td", {}, actions(hook)),
   ]);
@@ -59,6 +79,11 @@ function lastAnswer(delivery) {
   return answer;
 }
 
+function resend(delivery) {
+  const path = `/webhooks/${encodeURIComponent(delivery.webhook_id)}/deliveries/${delivery.id}/retry`;
+  return button("Send again", `Send delivery ${delivery.id} again`, () => act(() => api(path, { method: "POST" })));
+}
+
 function deliveryRow(delivery) {
   return el("tr", { attrs: { "data-delivery-id": String(delivery.id) } }, [
     el("td", { text: when(delivery.created_at) }),
@@ -67,6 +92,7 @@ function deliveryRow(delivery) {
     el("td", { text: delivery.status, className: `delivery-${delivery.status}` }),
     el("td", { text: String(delivery.attempts) }),
     el("td", { text: lastAnswer(delivery) }),
+    el("td", {}, delivery.status === "pending" ? [] : [resend(delivery)]),
   ]);
 }
 
