@@ -653,7 +653,7 @@ def parser() -> argparse.ArgumentParser:
         "(default: the last three)",
     )
     a.add_argument("--description")
-    a.add_argument("--tenant", help="another tenant's (admin keys only)")
+    a.add_argument("--tenant", help="another tenant's, or '*' for every tenant's jobs (admin keys only)")
     a = actions.add_parser("list", help="list endpoints")
     a.add_argument("--tenant", help="only this tenant's (admin keys)")
     a = actions.add_parser("update", help="change an endpoint's URL, events or description")

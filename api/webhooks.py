@@ -70,6 +70,7 @@ TEST_EVENT = "webhook.test"
 DeliveryStatus = Literal["pending", "delivered", "failed"]
 PENDING, DELIVERED, FAILED = get_args(DeliveryStatus)
 SECRET_PREFIX = "whsec_"
+EVERY_TENANT = "*"  # an endpoint's tenant: told of every tenant's jobs (the platform team's; admin keys)
 CURSOR_GRACE_SECONDS = 60.0  # PostgreSQL: longer than any transaction that writes job events
 LATE_CHECK_SECONDS = 5.0  # how often the cursor moves (PostgreSQL: the events after it read again)
 SCAN_PAGE = 1_000  # status events one pass reads at most
@@ -299,6 +300,20 @@ def disable(session: Session, hook: Webhook, reason: str, now: datetime | None =
     hook.disabled_at = now
     hook.disabled_reason = reason
     session.add(hook)
+    _give_up_pending(session, hook)
+
+
+def enable(session: Session, hook: Webhook) -> None:
+    """Send to `hook` again: the moves made from now on (those made while it was disabled are not; nor one
+    the sender wrote as it was being disabled)."""
+    hook.disabled_at = hook.disabled_reason = hook.failing_since = None
+    hook.enabled_at = utcnow()
+    session.add(hook)
+    _give_up_pending(session, hook)
+
+
+def _give_up_pending(session: Session, hook: Webhook) -> None:
+    """Its pending deliveries, but its tests, failed: not sent while it was disabled."""
     session.execute(
         _deliveries.update()
         .where(
@@ -308,13 +323,6 @@ def disable(session: Session, hook: Webhook, reason: str, now: datetime | None =
         )
         .values(status=FAILED, next_attempt_at=None, last_error="not sent: the endpoint was disabled")
     )
-
-
-def enable(session: Session, hook: Webhook) -> None:
-    """Send to `hook` again: the moves made from now on (those made while it was disabled are not)."""
-    hook.disabled_at = hook.disabled_reason = hook.failing_since = None
-    hook.enabled_at = utcnow()
-    session.add(hook)
 
 
 @dataclass
@@ -519,7 +527,10 @@ class WebhookSender:
         )
         rows = list(session.connection().execute(query).all())
         last = rows[-1].id if rows else None
-        return [row for row in rows if row.tenant in tenants], last, limit is not None and len(rows) == limit
+        full = limit is not None and len(rows) == limit
+        if EVERY_TENANT not in tenants:
+            rows = [row for row in rows if row.tenant in tenants]
+        return rows, last, full
 
     def _write(self, session: Session, hooks: list[Webhook], rows: Sequence[Any]) -> set[tuple[str, int]]:
         """Insert the deliveries of `rows` (those not written yet); returns their (endpoint, event) pairs,
@@ -541,7 +552,7 @@ class WebhookSender:
             created = as_utc(row.created_at)
             assert created is not None
             body = None
-            for hook in by_tenant.get(row.tenant, []):
+            for hook in by_tenant.get(row.tenant, []) + by_tenant.get(EVERY_TENANT, []):
                 if event_type not in hook.events or (hook.id, row.id) in self._written:
                     continue
                 if created < as_utc(hook.enabled_at or hook.created_at):  # type: ignore[operator]

@@ -276,6 +276,33 @@ def test_each_tenant_sees_and_hears_only_its_own(
         assert [d["job_id"] for d in deliveries(client, made.json()["id"], **beta)] == [beta_job]
 
 
+def test_the_platform_teams_endpoint_hears_every_tenants_jobs(
+    make_settings: Callable[..., Settings], dataset: Path, receiver: Receiver
+) -> None:
+    """`tenant: "*"` (admin keys only): told of every tenant's jobs, each saying whose; no tenant's key
+    sees it."""
+    settings = make_settings(dispatcher_enabled=False, admin_key=ADMIN, rate_limit_per_second=0, **OPEN)
+    with TestClient(create_app(settings)) as client:
+        alpha, beta = bearer(make_key(client, "alpha")), bearer(make_key(client, "beta"))
+        every = {"url": receiver.url, "tenant": "*"}
+        refused = client.post("/webhooks", json=every, headers=alpha)
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_only"
+        for bad in ("Alpha team", "a*", "**"):
+            response = client.post("/webhooks", json={**every, "tenant": bad}, headers=bearer(ADMIN))
+            assert response.status_code == 422 and response.json()["error"]["param"] == "tenant", bad
+        hook = client.post("/webhooks", json=every, headers=bearer(ADMIN)).json()
+        assert hook["tenant"] == "*"
+        assert client.get("/webhooks", headers=alpha).json()["data"] == []
+        assert client.get(f"/webhooks/{hook['id']}", headers=alpha).status_code == 404
+        listed = client.get("/webhooks?tenant=*", headers=bearer(ADMIN)).json()["data"]
+        assert [row["id"] for row in listed] == [hook["id"]]
+        jobs = {new_job(client, dataset, **alpha): "alpha", new_job(client, dataset, **beta): "beta"}
+        for job_id in jobs:
+            move(client, job_id, JobStatus.cancelled)
+        drain(sender(client))
+        assert {e["data"]["id"]: e["data"]["tenant"] for e in receiver.events()} == jobs
+
+
 def test_a_jobs_end_is_posted_signed_and_retried_until_delivered(
     open_client: TestClient, dataset: Path, receiver: Receiver
 ) -> None:
@@ -600,7 +627,14 @@ def test_an_endpoint_is_changed_and_disabled_by_its_team(
     move(client, new_job(client, dataset), JobStatus.cancelled)
     drain(sender(client))
     assert receiver.requests == []
+    # A delivery the sender wrote as the endpoint was being disabled (it had read the endpoints before):
+    # given up when it is enabled again, not sent then.
+    with Session(client.app.state.engine) as session:  # type: ignore[attr-defined]
+        body = json.dumps(pending["payload"])
+        session.add(WebhookDelivery(webhook_id=hook["id"], type="job.cancelled", body=body))
+        session.commit()
     assert client.patch(path, json={"enabled": True}).json()["enabled"] is True
+    assert [d["status"] for d in deliveries(client, hook["id"])] == ["failed", "failed"]
     job_id = new_job(client, dataset)
     move(client, job_id, JobStatus.cancelled)
     drain(sender(client))

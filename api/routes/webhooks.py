@@ -11,12 +11,16 @@ from pydantic import BaseModel, Field
 from sqlmodel import Session, col, func, select
 
 from api import webhooks as service
+from api.auth import TENANT_NAME
 from api.deps import PrincipalDep, SessionDep, SettingsDep, TenantDep, json_response, own_tenant_only
 from api.errors import ApiError
 from api.models import MAX_ID, Webhook, WebhookDelivery, as_utc, utcnow
 from api.schemas import ErrorResponse, error_responses
 from api.webhooks import DeliveryStatus, EventType
 from worker.config import Text
+
+# a tenant's name (TENANT_NAME), or * (every tenant's)
+WEBHOOK_TENANT = r"^(?:" + TENANT_NAME.removeprefix("^").removesuffix("$") + r"|\*)$"
 
 router = APIRouter(prefix="/webhooks", tags=["webhooks"], responses=error_responses(401, 413, 422, 429, 503))
 
@@ -36,8 +40,10 @@ class WebhookCreate(BaseModel):
         description="The moves to be told of. Default: a job's end (succeeded, failed, cancelled).",
     )
     description: Annotated[Text, Field(max_length=256)] | None = None
-    tenant: Annotated[str | None, Field(min_length=1, max_length=64)] = Field(
-        default=None, description="Whose jobs (admin keys only); default: the key's tenant."
+    tenant: Annotated[str | None, Field(min_length=1, max_length=64, pattern=WEBHOOK_TENANT)] = Field(
+        default=None,
+        description="Whose jobs (admin keys only): a tenant's, or `*` for every tenant's (the platform "
+        "team's endpoint); default: the key's tenant.",
     )
 
     model_config = {
@@ -213,7 +219,8 @@ def list_webhooks(
         Query(
             min_length=1,
             max_length=64,
-            description="Only this tenant's (admin keys: default all).",
+            description="Only this tenant's (admin keys: default all; `*`: the endpoints told of every "
+            "tenant's jobs).",
         ),
     ] = None,
 ) -> Response:

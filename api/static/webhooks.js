@@ -63,7 +63,7 @@ function row(hook) {
   if (hook.description) what.push(el("br"), el("small", { text: hook.description }));
   return el("tr", { attrs: { "data-webhook-id": hook.id } }, [
     el("td", {}, what),
-    el("td", { text: hook.tenant }),
+    el("td", { text: hook.tenant === "*" ? "every team" : hook.tenant }),
     el("td", { text: hook.events.join(", ") }),
     el("td", {}, state(hook)),
     el("td", { text: when(hook.created_at) }),
