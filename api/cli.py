@@ -394,6 +394,12 @@ def webhooks(args: argparse.Namespace) -> int:
             print(f"{hook['id']}: {_webhook_state(hook)} ({', '.join(hook['events'])}) {hook['url']}")
             if hook["disabled_reason"]:
                 print(hook["disabled_reason"])
+        elif args.action == "rotate-secret":
+            hook = client.rotate_webhook_secret(args.webhook_id, args.old_secret_hours)
+            until = hook["old_secret_until"]
+            old = f"signs too until {_when(until)}" if until else "no longer signs"
+            print(f"{hook['id']} has a new signing secret (the old one {old}), shown only now:")
+            print(hook["secret"])
         elif args.action == "retry":
             for delivery_id in args.delivery_ids:
                 delivery = client.retry_delivery(args.webhook_id, delivery_id)
@@ -669,6 +675,13 @@ def parser() -> argparse.ArgumentParser:
         a.add_argument("webhook_id")
     a = actions.add_parser("test", help="send a webhook.test event (also to a disabled endpoint)")
     a.add_argument("webhook_id")
+    a = actions.add_parser("rotate-secret", help="a new signing secret (printed once)")
+    a.add_argument("webhook_id")
+    a.add_argument(
+        "--old-secret-hours",
+        type=float,
+        help="how long deliveries are signed with the old secret too (default 24; 0: not at all)",
+    )
     a = actions.add_parser("retry", help="send failed deliveries again (what an endpoint missed)")
     a.add_argument("webhook_id")
     a.add_argument("delivery_ids", nargs="+", type=int, metavar="delivery_id")

@@ -204,6 +204,11 @@ class Client:
         """Change `url`, `events`, `description` or `enabled` (PATCH: the fields given only)."""
         return self._request("PATCH", f"/webhooks/{webhook_id}", json=fields)
 
+    def rotate_webhook_secret(self, webhook_id: str, old_secret_hours: float | None = None) -> dict[str, Any]:
+        """A new signing secret (in `secret`, shown once); the old one signs too for `old_secret_hours`."""
+        body = {} if old_secret_hours is None else {"old_secret_hours": old_secret_hours}
+        return self._request("POST", f"/webhooks/{webhook_id}/rotate-secret", json=body)
+
     def retry_delivery(self, webhook_id: str, delivery_id: int) -> dict[str, Any]:
         """Send a failed (or delivered) delivery again, with its retries anew."""
         return self._request("POST", f"/webhooks/{webhook_id}/deliveries/{delivery_id}/retry")

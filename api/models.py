@@ -204,6 +204,9 @@ class Webhook(SQLModel, table=True):
     # When it was last enabled again: it hears of the moves made since (and since `created_at`), not of
     # those made while it was disabled.
     enabled_at: datetime | None = _ts()
+    # The secret before the last rotation: deliveries are signed with it too until `old_secret_until`.
+    old_secret: str | None = Field(default=None, max_length=64)
+    old_secret_until: datetime | None = _ts()
 
 
 class WebhookDelivery(SQLModel, table=True):

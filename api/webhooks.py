@@ -95,11 +95,21 @@ def new_secret() -> str:
 
 
 def sign(secret: str, message_id: str, timestamp: int, body: str) -> str:
-    """The `webhook-signature` header: `v1,` and the base64 HMAC-SHA256, keyed by the secret's bytes, of
+    """A `webhook-signature`: `v1,` and the base64 HMAC-SHA256, keyed by the secret's bytes, of
     `{id}.{timestamp}.{body}`."""
     key = base64.b64decode(secret.removeprefix(SECRET_PREFIX))
     digest = hmac.new(key, f"{message_id}.{timestamp}.{body}".encode(), hashlib.sha256).digest()
     return "v1," + base64.b64encode(digest).decode()
+
+
+def signatures(row: Any, message_id: str, timestamp: int, body: str) -> str:
+    """The `webhook-signature` header: with the endpoint's secret and, for a while after a rotation, its
+    old one too (space-separated, as Standard Webhooks allows: a receiver accepts either)."""
+    header = sign(row.secret, message_id, timestamp, body)
+    until = as_utc(row.old_secret_until)
+    if row.old_secret is not None and until is not None and until > utcnow():
+        header += " " + sign(row.old_secret, message_id, timestamp, body)
+    return header
 
 
 # --- endpoints' URLs ---------------------------------------------------------------------------------
@@ -239,7 +249,8 @@ def _due_statement(one_endpoint: bool) -> Any:
     once: building a statement cost more than running it."""
     query = (
         sa_select(_deliveries.c.id, _deliveries.c.body, _deliveries.c.attempts, _deliveries.c.job_id)
-        .add_columns(_deliveries.c.next_attempt_at, _hooks.c.id.label("hook"), _hooks.c.url, _hooks.c.secret)
+        .add_columns(_deliveries.c.next_attempt_at, _hooks.c.id.label("hook"), _hooks.c.url)
+        .add_columns(_hooks.c.secret, _hooks.c.old_secret, _hooks.c.old_secret_until)
         .join(_hooks, _hooks.c.id == _deliveries.c.webhook_id)
         .where(
             _deliveries.c.status == PENDING,
@@ -821,7 +832,7 @@ class WebhookSender:
             "user-agent": USER_AGENT,
             "webhook-id": message_id,
             "webhook-timestamp": str(timestamp),
-            "webhook-signature": sign(row.secret, message_id, timestamp, row.body),
+            "webhook-signature": signatures(row, message_id, timestamp, row.body),
         }
         extensions = {"sni_hostname": host} if parts.scheme == "https" else {}
         try:
@@ -850,7 +861,8 @@ class WebhookSender:
         return self._client
 
     def cleanup(self) -> None:
-        """Forget deliveries done (delivered or failed) longer ago than the server keeps them."""
+        """Forget deliveries done (delivered or failed) longer ago than the server keeps them, and secrets
+        rotated out."""
         self._last_cleanup = time.monotonic()
         before = utcnow() - timedelta(days=self.settings.webhook_retention_days)
         with session_scope(self.engine) as session:
@@ -858,6 +870,12 @@ class WebhookSender:
                 delete(WebhookDelivery).where(
                     col(WebhookDelivery.status) != PENDING, col(WebhookDelivery.created_at) < before
                 )
+            )
+            # a rotated secret no longer signs: not kept either
+            session.execute(
+                _hooks.update()
+                .where(_hooks.c.old_secret.is_not(None), _hooks.c.old_secret_until <= utcnow())
+                .values(old_secret=None, old_secret_until=None)
             )
             session.commit()
 

@@ -909,6 +909,12 @@ def test_the_webhooks_page_adds_tests_disables_resends_and_deletes_an_endpoint(
         page.get_by_role("button", name=f"Send delivery {delivery_id} again").click()
         assert receiver.wait(2)[1] == ping
         expect(delivered.first.locator("td").nth(3)).to_have_text("delivered", timeout=15_000)
+        first_secret = secret.inner_text()
+        page.once("dialog", lambda dialog: dialog.accept())
+        page.get_by_role("button", name=f"New signing secret for {hook_id}").click()
+        expect(page.locator("#secret-what")).to_contain_text(f"Endpoint {hook_id} has a new secret")
+        expect(secret).not_to_have_text(first_secret)
+        expect(secret).to_have_text(re.compile(r"^whsec_"))
 
         page.once("dialog", lambda dialog: dialog.accept())
         page.get_by_role("button", name=f"Delete {hook_id}").click()

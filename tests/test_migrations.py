@@ -342,6 +342,16 @@ def test_the_webhook_sender_starts_after_the_events_stored_before(
     engine.dispose()
 
 
+WEBHOOK_COLUMNS_0012 = (
+    "failing_since",
+    "disabled_at",
+    "disabled_reason",
+    "enabled_at",
+    "old_secret",
+    "old_secret_until",
+)
+
+
 def test_webhooks_stored_before_are_enabled_and_keep_their_deliveries(database_url: str) -> None:
     """0012 adds an endpoint's failure streak and disabling: those stored before are enabled, with no
     streak; going back to 0011 drops the columns and keeps every endpoint's deliveries (a batch copy of
@@ -371,14 +381,14 @@ def test_webhooks_stored_before_are_enabled_and_keep_their_deliveries(database_u
         engine = make_engine(database_url)
         with engine.connect() as connection:
             columns = {column["name"] for column in inspect(connection).get_columns("webhooks")}
-            added = sorted({"failing_since", "disabled_at", "disabled_reason", "enabled_at"} & columns)
+            added = sorted(set(WEBHOOK_COLUMNS_0012) & columns)
             rows = connection.execute(text(f"SELECT id, {', '.join(['url', *added])} FROM webhooks")).all()
             count = connection.execute(text("SELECT count(*) FROM webhook_deliveries")).scalar_one()
         engine.dispose()
         return [tuple(row) for row in rows], count
 
     upgrade(database_url)
-    assert stored() == ([("wh_1", "https://example.com/", None, None, None, None)], 1)
+    assert stored() == ([("wh_1", "https://example.com/", *[None] * len(WEBHOOK_COLUMNS_0012))], 1)
     downgrade(database_url, "0011")
     assert stored() == ([("wh_1", "https://example.com/")], 1)
     upgrade(database_url)

@@ -252,6 +252,10 @@ def test_each_tenant_sees_and_hears_only_its_own(
             assert response.status_code == 404, response.text
         assert client.get(f"/webhooks/{hook['id']}/deliveries", headers=beta).status_code == 404
         assert client.post(f"/webhooks/{hook['id']}/test", headers=beta).status_code == 404
+        assert client.post(f"/webhooks/{hook['id']}/rotate-secret", headers=beta).status_code == 404
+        assert (
+            client.patch(f"/webhooks/{hook['id']}", json={"enabled": False}, headers=beta).status_code == 404
+        )
         assert client.get("/webhooks", headers=beta).json()["data"] == []
         assert client.get("/webhooks?tenant=alpha", headers=beta).status_code == 403
         assert (
@@ -345,6 +349,45 @@ def test_a_jobs_end_is_posted_signed_and_retried_until_delivered(
         secret = session.exec(text("SELECT secret FROM webhooks")).scalar_one()  # type: ignore[call-overload]
     assert verify(secret, one) and verify(secret, two)
     assert not verify(secret, {**one, "body": one["body"].replace("succeeded", "failed")})
+
+
+def test_a_rotated_secret_signs_beside_the_new_one_for_a_while(
+    open_client: TestClient, dataset: Path, receiver: Receiver
+) -> None:
+    client = open_client
+    hook = client.post("/webhooks", json={"url": receiver.url}).json()
+    old = hook["secret"]
+    rotated = client.post(f"/webhooks/{hook['id']}/rotate-secret")
+    assert rotated.status_code == 200, rotated.text
+    new = rotated.json()["secret"]
+    assert new.startswith("whsec_") and new != old
+    until = datetime.fromisoformat(rotated.json()["old_secret_until"])
+    assert abs((until - datetime.now(UTC)).total_seconds() - 24 * 3600) < 60
+    shown = client.get(f"/webhooks/{hook['id']}").json()
+    assert "secret" not in shown and shown["old_secret_until"] == rotated.json()["old_secret_until"]
+    send = sender(client)
+    move(client, new_job(client, dataset), JobStatus.cancelled)
+    drain(send)
+    [both] = receiver.requests
+    assert len(both["headers"]["webhook-signature"].split(" ")) == 2
+    assert verify(new, both) and verify(old, both)
+    # Rotated again at once (0 hours): the new secret only; the one before no longer signs.
+    newest = client.post(f"/webhooks/{hook['id']}/rotate-secret", json={"old_secret_hours": 0}).json()
+    assert newest["old_secret_until"] is None
+    move(client, new_job(client, dataset), JobStatus.cancelled)
+    drain(send)
+    only = receiver.requests[1]
+    assert verify(newest["secret"], only) and not verify(new, only) and not verify(old, only)
+    refused = client.post(f"/webhooks/{hook['id']}/rotate-secret", json={"old_secret_hours": 200})
+    assert refused.status_code == 422 and refused.json()["error"]["param"] == "old_secret_hours"
+    # A rotated secret is forgotten once it no longer signs.
+    client.post(f"/webhooks/{hook['id']}/rotate-secret", json={"old_secret_hours": 0.0001})
+    time.sleep(0.5)
+    send.cleanup()
+    with Session(client.app.state.engine) as session:  # type: ignore[attr-defined]
+        kept = session.exec(text("SELECT old_secret, old_secret_until FROM webhooks")).one()  # type: ignore[call-overload]
+    assert tuple(kept) == (None, None)
+    assert client.post("/webhooks/wh_0000000000000000/rotate-secret").status_code == 404
 
 
 def test_only_the_moves_asked_for_and_made_after_the_endpoint(
@@ -864,9 +907,14 @@ def test_webhooks_commands(live_api: Callable[..., LiveApi], receiver: Receiver,
     assert changed == f"{hook_id}: disabled (job.succeeded) {receiver.url}\n" + off.splitlines()[1] + "\n"
     assert run("enable", hook_id) == f"{hook_id}: enabled (job.succeeded) {receiver.url}\n"
     assert " enabled " in run("list")
+    rotated = run("rotate-secret", hook_id, "--old-secret-hours", "0")
+    assert rotated.startswith(f"{hook_id} has a new signing secret (the old one no longer signs)")
+    secret = rotated.splitlines()[-1]
+    assert secret.startswith("whsec_")
     assert run("retry", hook_id, row[0]) == f"delivery {row[0]} (webhook.test) is sent again\n"
     again = receiver.wait(2)
     assert again[1] == again[0] and receiver.requests[1]["headers"]["webhook-id"] == ping["id"]
+    assert verify(secret, receiver.requests[1])  # (signed as it is sent: with the new secret)
     assert main(["--api-url", api.url, "webhooks", "retry", hook_id, "99999"]) == 3
     assert "delivery_not_found" in capsys.readouterr().err
     assert run("delete", hook_id) == f"{hook_id} deleted\n"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query, Response
@@ -70,6 +70,9 @@ class WebhookPublic(BaseModel):
     failing_since: datetime | None = Field(
         description="When its deliveries began to fail, every one since (null: the last was delivered)."
     )
+    old_secret_until: datetime | None = Field(
+        description="After its secret was rotated: until when deliveries are signed with the old one too."
+    )
 
     @classmethod
     def of(cls, row: Webhook) -> WebhookPublic:
@@ -84,7 +87,20 @@ class WebhookPublic(BaseModel):
             disabled_at=as_utc(row.disabled_at),
             disabled_reason=row.disabled_reason,
             failing_since=as_utc(row.failing_since),
+            old_secret_until=as_utc(row.old_secret_until) if row.old_secret is not None else None,
         )
+
+
+class SecretRotation(BaseModel):
+    old_secret_hours: float = Field(
+        default=24,
+        ge=0,
+        le=168,
+        description="How long deliveries are signed with the old secret too (while receivers move to the "
+        "new one); 0: from now on, with the new one only.",
+    )
+
+    model_config = {"extra": "forbid"}
 
 
 class WebhookUpdate(BaseModel):
@@ -268,6 +284,28 @@ def update_webhook(
     session.add(row)
     session.commit()
     return json_response(WebhookPublic.of(row))
+
+
+@router.post(
+    "/{webhook_id}/rotate-secret",
+    response_model=WebhookCreated,
+    summary="Give a webhook endpoint a new signing secret",
+    responses=_not_found,
+)
+def rotate_secret(
+    webhook_id: str, session: SessionDep, scope: TenantDep, body: SecretRotation | None = None
+) -> Response:
+    """A new secret, shown only in this answer. For `old_secret_hours` (24) each delivery carries two
+    signatures, with the new secret and the old one (`webhook-signature: v1,<new> v1,<old>`): a receiver
+    checking either goes on working while it is given the new secret."""
+    row = _webhook(session, scope, webhook_id)
+    hours = (body or SecretRotation()).old_secret_hours
+    row.old_secret = row.secret if hours else None
+    row.old_secret_until = utcnow() + timedelta(hours=hours) if hours else None
+    row.secret = service.new_secret()
+    session.add(row)
+    session.commit()
+    return json_response(WebhookCreated(**WebhookPublic.of(row).model_dump(), secret=row.secret))
 
 
 @router.delete(

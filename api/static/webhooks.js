@@ -36,6 +36,13 @@ function actions(hook) {
       }),
     ),
   );
+  const rotate = button("New secret", `New signing secret for ${hook.id}`, () => {
+    if (!confirm(`Give ${hook.id} a new signing secret? The old one signs too for 24 hours.`)) return;
+    act(async () => {
+      const rotated = await api(`${path}/rotate-secret`, { method: "POST" });
+      showSecret(`Endpoint ${rotated.id} has a new secret (the old one signs too until ${when(rotated.old_secret_until)}).`, rotated.secret);
+    });
+  });
   const show = button("Deliveries", `Deliveries of ${hook.id}`, () => {
     shown = hook;
     refresh();
@@ -47,7 +54,13 @@ function actions(hook) {
       if (shown?.id === hook.id) shown = null;
     });
   });
-  return [test, " ", toggle, " ", show, " ", remove];
+  return [test, " ", toggle, " ", show, " ", rotate, " ", remove];
+}
+
+function showSecret(what, secret) {
+  document.getElementById("secret-what").textContent = what;
+  document.getElementById("secret-key").textContent = secret;
+  document.getElementById("secret").hidden = false;
 }
 
 function state(hook) {
@@ -125,9 +138,7 @@ document.getElementById("create").addEventListener("submit", (event) => {
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify(body),
     });
-    document.getElementById("secret-what").textContent = `Endpoint ${created.id} added for ${created.tenant}.`;
-    document.getElementById("secret-key").textContent = created.secret;
-    document.getElementById("secret").hidden = false;
+    showSecret(`Endpoint ${created.id} added for ${created.tenant}.`, created.secret);
     event.target.reset();
   });
 });

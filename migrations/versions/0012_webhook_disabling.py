@@ -1,5 +1,5 @@
 """webhooks.failing_since, disabled_at, disabled_reason, enabled_at: endpoints disabled and enabled again;
-an index of each endpoint's due deliveries
+old_secret, old_secret_until: a secret rotated; an index of each endpoint's due deliveries
 
 An endpoint that failed every delivery for TPUTUNE_WEBHOOK_DISABLE_AFTER_HOURS is disabled (nothing more is
 written or sent to it) until its team enables it again (PATCH /webhooks/{id}); it then hears of the moves
@@ -21,7 +21,7 @@ down_revision: str | None = "0011"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-COLUMNS = ("failing_since", "disabled_at", "disabled_reason", "enabled_at")
+COLUMNS = ("failing_since", "disabled_at", "disabled_reason", "enabled_at", "old_secret", "old_secret_until")
 
 
 def upgrade() -> None:
@@ -32,6 +32,10 @@ def upgrade() -> None:
         sa.Column("disabled_reason", sqlmodel.sql.sqltypes.AutoString(length=500), nullable=True),
     )
     op.add_column("webhooks", sa.Column("enabled_at", sa.DateTime(timezone=True), nullable=True))
+    op.add_column(
+        "webhooks", sa.Column("old_secret", sqlmodel.sql.sqltypes.AutoString(length=64), nullable=True)
+    )
+    op.add_column("webhooks", sa.Column("old_secret_until", sa.DateTime(timezone=True), nullable=True))
     # each endpoint's due deliveries, oldest first: read one endpoint at a time in a backlog
     op.create_index(
         "ix_webhook_deliveries_hook_due", "webhook_deliveries", ["webhook_id", "status", "next_attempt_at"]
