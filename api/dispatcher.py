@@ -42,8 +42,7 @@ PASS_SPACING_SECONDS = 0.05
 STOPPED = frozenset({EXIT_PREEMPTED, 128 + signal.SIGTERM, 128 + signal.SIGKILL})
 # The launch handle's record of the job's restarts before its run (a resumed job's: see _launch).
 RESTARTS_BEFORE = "restarts_before"
-# How the status message of a job held back by its team's limits begins (_over_tenant_cap).
-TEAM_WAIT = "Waiting: "
+TEAM_WAIT = service.TEAM_WAIT  # how the status message of a job held back by its team's limits begins
 
 
 class Leader(Protocol):

@@ -676,15 +676,21 @@ def event_heads_statement(job_ids: Sequence[str], mark: str, any_of: bool) -> tu
     )
 
 
+# How the status message of a job held back by its team's limits begins (api.dispatcher).
+TEAM_WAIT = "Waiting: "
+
+
 def queue_position_statement(job_id: str, mark: str) -> tuple[str, list[Any]]:
     """The job's place in its executor's queue (1: the next to start), 0 if it is not waiting there (not
-    queued, or queued and held by the platform: Kueue decides those): the jobs queued for launch before it,
-    in the dispatcher's order (`seq`), counted on the (status, seq) index, and itself."""
+    queued, or queued and held by the platform: Kueue decides those): itself and the jobs queued for launch
+    before it, in the dispatcher's order (`seq`), counted on the (status, seq) index, but other teams' held
+    back by their own limits (the dispatcher passes them by: they start after it)."""
     return (
         "SELECT count(*) FROM jobs j JOIN jobs q ON q.status = j.status AND q.seq <= j.seq "
-        "AND q.executor = j.executor AND q.launched_at IS NULL "
+        "AND q.executor = j.executor AND q.launched_at IS NULL AND (q.tenant = j.tenant "
+        f"OR q.status_message IS NULL OR q.status_message NOT LIKE {mark}) "
         f"WHERE j.id = {mark} AND j.status = 'queued' AND j.launched_at IS NULL",
-        [job_id],
+        [TEAM_WAIT + "%", job_id],
     )
 
 

@@ -112,8 +112,9 @@ class JobPublic(BaseModel):
         description="Of a queued job, in GET /jobs/{id} only (null in lists and other answers): its place "
         "in the queue, 1 for the next to start. Jobs start in the order they were submitted (a resumed job "
         "keeps its place), every team's, as each team's limits allow (a job behind its team's limit waits "
-        "and the next starts: `status_message` says so). Null for a job the platform holds (Kueue: its "
-        "quota decides; see `status_message`) and for any other status.",
+        "and the next starts: `status_message` says so). Counted: itself and the jobs ahead of it but other "
+        "teams' held back by their own limits (they start after it). Null for a job the platform holds "
+        "(Kueue: its quota decides; see `status_message`) and for any other status.",
     )
     status_message: str | None
     model: str

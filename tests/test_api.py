@@ -404,6 +404,12 @@ def test_a_queued_job_shows_its_place_in_the_queue(client: TestClient, dataset: 
     assert places() == [None, 1, None, 2]
     assert client.post(f"/jobs/{ids[2]}/resume").json()["queue_position"] is None  # (GET only)
     assert places() == [None, 1, 2, 3]
+    # Jobs of another team held back by its own limits start after ours: not counted ahead of them.
+    # (Its own team's are: `ids[2]` waits behind `ids[1]`, held or not.)
+    _set(client, ids[1], tenant="other", status_message="Waiting: 1 job of your team is running (limit 1).")
+    assert places() == [None, 1, 1, 2]
+    _set(client, ids[1], tenant="default")
+    assert places() == [None, 1, 2, 3]
     # A job held by the platform after its launch (Kueue) waits in its queue, not ours; each executor's
     # jobs have a queue of their own (one left from a server run with the other is not ahead).
     _set(client, ids[1], launched_at=datetime.now(UTC))
