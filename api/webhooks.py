@@ -85,6 +85,11 @@ USER_AGENT = "tputune-webhooks/0.1"
 STOP_WAIT_SECONDS = 3.0
 
 
+def in_order(events: Sequence[str]) -> list[str]:
+    """An endpoint's events as stored: each once, in EVENT_TYPES' order."""
+    return [event for event in EVENT_TYPES if event in events]
+
+
 def new_webhook_id() -> str:
     return "wh_" + secrets.token_hex(8)
 
@@ -276,6 +281,12 @@ _PENDING_OF_JOBS = (
         tuple_(_deliveries.c.webhook_id, _deliveries.c.job_id).in_(bindparam("pairs", expanding=True)),
     )
     .order_by(_deliveries.c.id)
+)
+# Deliveries leased while they are in flight (`ids`): not due again until `until`.
+_LEASE = (
+    _deliveries.update()
+    .where(_deliveries.c.id.in_(bindparam("ids", expanding=True)), _deliveries.c.status == PENDING)
+    .values(next_attempt_at=bindparam("until"))
 )
 # A delivery put off until `until` (a job's later move, behind an earlier one waiting for its retry).
 _PUT_OFF = (
@@ -609,11 +620,7 @@ class WebhookSender:
                 # Leased while it is in flight: not due again unless this process ends before it records
                 # how it went (then it is sent again: at least once).
                 lease = now + timedelta(seconds=self.settings.webhook_timeout_seconds + LEASE_MARGIN_SECONDS)
-                session.execute(
-                    _deliveries.update()
-                    .where(_deliveries.c.id.in_([row.id for row in due]), _deliveries.c.status == PENDING)
-                    .values(next_attempt_at=lease)
-                )
+                session.connection().execute(_LEASE, {"ids": [row.id for row in due], "until": lease})
             session.commit()
         for row in due:
             self._submit(row)
@@ -844,7 +851,7 @@ class WebhookSender:
                 note = " (redirects are not followed)" if 300 <= r.status_code < 400 else ""
                 return Attempt(False, r.status_code, f"HTTP {r.status_code}{note}")
         except httpx.TimeoutException:
-            raise
+            raise  # (_post says it as it says its own deadline: "no answer within ...")
         except httpx.HTTPError as exc:
             return Attempt(False, error=f"{type(exc).__name__}: {exc}")
 

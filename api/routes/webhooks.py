@@ -211,12 +211,11 @@ def create_webhook(
             f"Tenant '{tenant}' has {count} webhooks, the most this server allows "
             f"(TPUTUNE_WEBHOOK_MAX_PER_TENANT); delete one first (DELETE /webhooks/{{id}}).",
         )
-    events: list[str] = [event for event in service.EVENT_TYPES if event in body.events]  # (in order, once)
     row = Webhook(
         id=service.new_webhook_id(),
         tenant=tenant,
         url=url,
-        events=events,
+        events=service.in_order(body.events),
         description=body.description,
         secret=service.new_secret(),
         created_by=principal.who,
@@ -272,7 +271,7 @@ def update_webhook(
     if body.url is not None:
         row.url = service.check_url(body.url, settings)
     if body.events is not None:
-        row.events = [event for event in service.EVENT_TYPES if event in body.events]
+        row.events = service.in_order(body.events)
     if "description" in body.model_fields_set:
         row.description = body.description
     if body.enabled is True and row.disabled_at is not None:

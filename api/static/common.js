@@ -122,6 +122,20 @@ export async function showingErrors(errorNode, action) {
 }
 
 // Creates an element with text content (never HTML, so job names and samples cannot inject markup).
+// A button that says what it does to a screen reader (`label`), e.g. "Revoke key_1".
+export function button(text, label, onClick) {
+  const node = el("button", { text, attrs: { type: "button", "aria-label": label } });
+  node.addEventListener("click", onClick);
+  return node;
+}
+
+// Shows a secret (an API key, a webhook's signing secret) in the page's #secret card, the one time it is given.
+export function showSecret(what, secret) {
+  document.getElementById("secret-what").textContent = what;
+  document.getElementById("secret-key").textContent = secret;
+  document.getElementById("secret").hidden = false;
+}
+
 export function el(tag, { text, className, attrs } = {}, children = []) {
   const node = document.createElement(tag);
   if (text !== undefined && text !== null) node.textContent = String(text);

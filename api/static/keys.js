@@ -1,5 +1,5 @@
 // The API keys page: GET /admin/keys, and create, rotate and revoke (admin keys only).
-import { api, el, minute as when, showError, showingErrors } from "./common.js";
+import { api, button, el, minute as when, showError, showingErrors, showSecret } from "./common.js";
 
 const tbody = document.querySelector("#keys tbody");
 const error = document.getElementById("keys-error");
@@ -11,12 +11,6 @@ function state(key) {
   return "active";
 }
 
-function showSecret(created, what) {
-  document.getElementById("secret-what").textContent = what;
-  document.getElementById("secret-key").textContent = created.key;
-  document.getElementById("secret").hidden = false;
-}
-
 async function act(action) {
   await showingErrors(error, action);
   await refresh();
@@ -24,8 +18,7 @@ async function act(action) {
 
 function actions(key) {
   if (key.revoked_at) return [];
-  const rotate = el("button", { text: "Rotate", attrs: { type: "button", "aria-label": `Rotate ${key.id}` } });
-  rotate.addEventListener("click", () => {
+  const rotate = button("Rotate", `Rotate ${key.id}`, () => {
     const hours = prompt(`Rotate ${key.id} (${key.name}): hours the old key goes on working?`, "0");
     if (hours === null) return;
     act(async () => {
@@ -35,11 +28,10 @@ function actions(key) {
         headers: { "Content-Type": "application/json" },
         body,
       });
-      showSecret(created, `New key ${created.id} for ${created.tenant}, replacing ${key.id}.`);
+      showSecret(`New key ${created.id} for ${created.tenant}, replacing ${key.id}.`, created.key);
     });
   });
-  const revoke = el("button", { text: "Revoke", attrs: { type: "button", "aria-label": `Revoke ${key.id}` } });
-  revoke.addEventListener("click", () => {
+  const revoke = button("Revoke", `Revoke ${key.id}`, () => {
     if (!confirm(`Revoke ${key.id} (${key.name})? It stops working at once.`)) return;
     act(() => api(`/admin/keys/${encodeURIComponent(key.id)}`, { method: "DELETE" }));
   });
@@ -77,7 +69,7 @@ document.getElementById("create").addEventListener("submit", (event) => {
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify(body),
     });
-    showSecret(created, `New ${created.admin ? "admin " : ""}key ${created.id} for ${created.tenant}.`);
+    showSecret(`New ${created.admin ? "admin " : ""}key ${created.id} for ${created.tenant}.`, created.key);
     event.target.reset();
   });
 });

@@ -1,6 +1,6 @@
 // The teams page: GET /admin/tenants (and what each ran in 30 days, GET /usage), and each team's limits
 // set with PATCH /admin/tenants/{name}.
-import { api, el, formatNumber } from "./common.js";
+import { api, button, el, formatNumber, minute } from "./common.js";
 
 const REFRESH_MS = 5000;
 // What each team ran in 30 days changes slowly, and its report reads every job of the window (0.3 s with
@@ -22,15 +22,14 @@ function ofLimit(used, tenant, field) {
 }
 
 function row(tenant, spent) {
-  const edit = el("button", { text: "Edit", attrs: { type: "button", "aria-label": `Edit ${tenant.name}` } });
-  edit.addEventListener("click", () => {
+  const edit = button("Edit", `Edit ${tenant.name}`, () => {
     form.elements.tenant.value = tenant.name;
     form.elements.jobs.value = tenant.own_limits.max_active_jobs ?? "";
     form.elements.chips.value = tenant.own_limits.max_active_chips ?? "";
     form.elements.queued.value = tenant.own_limits.max_queued_jobs ?? "";
     form.elements.jobs.focus();
   });
-  const set = tenant.updated_at ? `${tenant.updated_by ?? ""} ${tenant.updated_at.slice(0, 16).replace("T", " ")}` : "";
+  const set = tenant.updated_at ? `${tenant.updated_by ?? ""} ${minute(tenant.updated_at)}` : "";
   return el("tr", { attrs: { "data-tenant": tenant.name } }, [
     el("td", { text: tenant.name }),
     el("td", { text: ofLimit(tenant.usage.active_jobs, tenant, "max_active_jobs"), className: "num jobs" }),

@@ -1,6 +1,6 @@
 // The webhooks page: GET /webhooks, and add, test, enable or disable and delete endpoints; an endpoint's
 // deliveries, a missed one sent again.
-import { api, el, minute as when, showError, showingErrors } from "./common.js";
+import { api, button, el, minute as when, showError, showingErrors, showSecret } from "./common.js";
 
 const tbody = document.querySelector("#webhooks tbody");
 const deliveries = document.querySelector("#deliveries tbody");
@@ -13,20 +13,14 @@ async function act(action) {
   await refresh();
 }
 
-function button(text, label, onClick) {
-  const node = el("button", { text, attrs: { type: "button", "aria-label": label } });
-  node.addEventListener("click", onClick);
-  return node;
-}
-
 function actions(hook) {
+  const path = `/webhooks/${encodeURIComponent(hook.id)}`;
   const test = button("Send test", `Send a test event to ${hook.id}`, () =>
     act(async () => {
       await api(`${path}/test`, { method: "POST" });
       shown = hook;
     }),
   );
-  const path = `/webhooks/${encodeURIComponent(hook.id)}`;
   const toggle = button(hook.enabled ? "Disable" : "Enable", `${hook.enabled ? "Disable" : "Enable"} ${hook.id}`, () =>
     act(() =>
       api(path, {
@@ -55,12 +49,6 @@ function actions(hook) {
     });
   });
   return [test, " ", toggle, " ", show, " ", rotate, " ", remove];
-}
-
-function showSecret(what, secret) {
-  document.getElementById("secret-what").textContent = what;
-  document.getElementById("secret-key").textContent = secret;
-  document.getElementById("secret").hidden = false;
 }
 
 function state(hook) {
