@@ -922,5 +922,4 @@ def test_the_webhooks_page_adds_tests_disables_resends_and_deletes_an_endpoint(
         expect(page.locator("#deliveries-card")).to_be_hidden()
         tab.assert_clean()
     finally:
-        receiver.server.shutdown()
-        receiver.server.server_close()
+        receiver.close()

@@ -81,6 +81,10 @@ class Receiver:
             self.url = f"https://localhost:{self.server.server_address[1]}/hook"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
     def events(self) -> list[dict[str, Any]]:
         return [json.loads(request["body"]) for request in self.requests]
 
@@ -95,8 +99,7 @@ class Receiver:
 def receiver() -> Iterator[Receiver]:
     endpoint = Receiver()
     yield endpoint
-    endpoint.server.shutdown()
-    endpoint.server.server_close()
+    endpoint.close()
 
 
 @pytest.fixture
@@ -523,8 +526,7 @@ def test_a_slow_endpoint_holds_only_its_own_deliveries(
                 second: "no answer within 3 s",
             }
     finally:
-        slow.server.shutdown()
-        slow.server.server_close()
+        slow.close()
 
 
 def test_an_endpoint_with_a_backlog_does_not_hold_up_another(
@@ -566,8 +568,7 @@ def test_an_endpoint_with_a_backlog_does_not_hold_up_another(
             heard = [(e["data"]["id"], e["type"]) for e in failing.events()]
             assert (ordered, "job.running") in heard and (ordered, "job.cancelled") not in heard
     finally:
-        failing.server.shutdown()
-        failing.server.server_close()
+        failing.close()
 
 
 def test_an_endpoint_failing_for_long_is_disabled_until_enabled(
@@ -777,8 +778,7 @@ def test_an_https_endpoint_is_checked_against_its_name(
             assert "CERTIFICATE_VERIFY_FAILED" in deliveries(client, good["id"])[0]["last_error"]
     finally:
         for endpoint in (right, wrong):
-            endpoint.server.shutdown()
-            endpoint.server.server_close()
+            endpoint.close()
 
 
 @pytest.mark.postgres
