@@ -154,7 +154,9 @@ class LiveApi:
             text = http.get("/metrics").text
         return float(next(line.split()[1] for line in text.splitlines() if line.startswith(f"{name} ")))
 
-    def wait_for(self, job_id: str, predicate: Callable[[dict], bool], timeout: float = 30) -> dict:
+    def wait_for(self, job_id: str, predicate: Callable[[dict], bool], timeout: float = 60) -> dict:
+        # (60 s: the dispatcher process's start, 2.6 s of CPU alone, took 25 s in CI beside the other xdist
+        # worker's training; a wait of 30 s for a first launch timed out twice.)
         deadline = time.monotonic() + timeout
         with self.client() as http:
             while True:
