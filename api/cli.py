@@ -496,10 +496,15 @@ def tenants(args: argparse.Namespace) -> int:
         if args.action == "set":
             given = {field: getattr(args, flag) for flag, field in _LIMIT_FLAGS.items()}
             changes = {field: value for field, value in given.items() if value is not False}
+            if args.data_prefixes:
+                prefixes = args.data_prefixes
+                changes["data_prefixes"] = (
+                    "any" if prefixes == ["any"] else None if prefixes == ["default"] else prefixes
+                )
             if not changes:
                 print(
                     "tputune: error: say --max-jobs, --max-chips or --max-queued (a number, 'default' or "
-                    "'unlimited')",
+                    "'unlimited'), or --data-prefix",
                     file=sys.stderr,
                 )
                 return 2
@@ -514,6 +519,13 @@ def tenants(args: argparse.Namespace) -> int:
         f"  jobs:  {used['active_jobs']} active, limit {jobs}; {used['queued_jobs']} queued, limit {queued}"
     )
     print(f"  {tenant['chip_unit']}: {used['chips']} held, limit {_limit(tenant, 'max_active_chips')}")
+    prefixes = tenant["data_prefixes"]
+    where = ", ".join(prefixes) if prefixes is not None else "anywhere"
+    if tenant["own_data_prefixes"] is None and prefixes is not None:
+        where += " (server)"
+    print(f"  data:  {where}")
+    if prefixes is not None:
+        print(f"         and may read {', '.join(tenant['shared_read_prefixes'])}")
     if set_by := _set_by(tenant, " at "):
         print(f"  limits set by {set_by}")
     return 0
@@ -721,6 +733,13 @@ def parser() -> argparse.ArgumentParser:
         default=False,
         help="jobs waiting to start; more are refused (0: no new jobs); 'default': the server's; "
         "'unlimited': none",
+    )
+    a.add_argument(
+        "--data-prefix",
+        action="append",
+        dest="data_prefixes",
+        help="where its jobs may read and write: a gs://bucket/path or local directory prefix ({tenant}: "
+        "its name); give it again for more; 'any': anywhere; 'default': the server's",
     )
     p.set_defaults(func=tenants)
 

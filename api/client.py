@@ -241,9 +241,10 @@ class Client:
     def get_tenant(self, name: str) -> dict[str, Any]:
         return self._request("GET", f"/admin/tenants/{name}")
 
-    def set_tenant_limits(self, name: str, **limits: int | str | None) -> dict[str, Any]:
+    def set_tenant_limits(self, name: str, **limits: int | str | list[str] | None) -> dict[str, Any]:
         """Change `max_active_jobs`, `max_active_chips` and/or `max_queued_jobs` (None: the server's limit
-        holds again; "unlimited": none, whatever the server's)."""
+        holds again; "unlimited": none, whatever the server's), and/or `data_prefixes` (a list of prefixes,
+        "any", or None: the server's)."""
         return self._request("PATCH", f"/admin/tenants/{name}", json=limits)
 
     def usage(

@@ -18,12 +18,13 @@ from api import jobs as service
 from api import tenants
 from api.datasets import DatasetUnavailable, StorageUnreachable, check_dataset
 from api.db import session_scope
+from api.errors import ApiError
 from api.executors import Discards, Executor, ExecutorUnavailable, Observation
 from api.models import Job, Tenant, utcnow
 from api.observability import DispatcherStats, job_id_var
 from api.settings import Settings
 from api.states import ACTIVE, JobStatus
-from api.validation import chip_unit, held_chips
+from api.validation import check_data_scope, chip_unit, held_chips, job_uris
 from api.webhooks import WebhookSender
 from worker.config import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED
 
@@ -277,6 +278,8 @@ class Dispatcher:
         # two (a burst of such jobs kept the dispatcher busy for a minute after it ended, bench/README.md),
         # even over its tenant's cap (it would never run). A Cloud Storage check may take seconds: the job
         # is `starting` ("Checking the dataset.") while it runs (_launch).
+        if not self._in_scope(session, job):
+            return
         local = not any(uri.startswith("gs://") for uri, _ in self._data(job))
         if local and job.seq not in self._data_checked and not self._data_usable(session, job):
             return
@@ -294,6 +297,20 @@ class Dispatcher:
             if job.tenant in self._tenant_jobs:
                 self._tenant_jobs[job.tenant].append(job)
             self._launch(session, job, data_checked=local)
+
+    def _in_scope(self, session: Session, job: Job) -> bool:
+        """A job queued before an admin narrowed its team's data prefixes, with data or an output outside
+        them now, fails as it would be refused now (path_not_allowed), with the others of the pass."""
+        if self._limits is None:  # (once a pass, as _over_tenant_cap reads them)
+            self._limits = tenants.load(session)
+        prefixes = tenants.data_prefixes(self._limits.get(job.tenant), self.settings, job.tenant)
+        try:
+            check_data_scope(job_uris(job.spec), self.settings, prefixes)
+        except ApiError as exc:
+            assert job.seq is not None
+            self._unusable.append((job.seq, exc.code, exc.message))
+            return False
+        return True
 
     @classmethod
     def _data(cls, job: Job) -> list[tuple[str, str]]:
@@ -354,7 +371,7 @@ class Dispatcher:
         """Why `job` must wait for its tenant's running jobs (its limits: api.tenants), or None."""
         if self._limits is None:  # once a pass: a limit changed holds from the next one
             self._limits = tenants.load(session)
-        limits = tenants.Limits.of(self._limits.get(job.tenant), self.settings)
+        limits = tenants.Limits.of(self._limits.get(job.tenant), self.settings, job.tenant)
         if not limits.any:
             return None
         max_jobs, max_chips = limits.max_active_jobs, limits.max_active_chips

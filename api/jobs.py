@@ -65,9 +65,9 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def default_output_uri(settings: Settings, job_id: str) -> str:
+def default_output_uri(settings: Settings, job_id: str, tenant: str) -> str:
     if settings.executor == "kubernetes" and settings.k8s_output_base_uri:
-        return f"{settings.k8s_output_base_uri.rstrip('/')}/{job_id}"
+        return f"{settings.k8s_output_base_uri.replace('{tenant}', tenant).rstrip('/')}/{job_id}"
     return f"{settings.jobs_dir}/{job_id}/output"  # (pathlib's `/` twice cost 8% of POST /jobs's CPU)
 
 
@@ -167,7 +167,7 @@ def prepare_job(
 ) -> NewJob:
     """Check `spec` against this deployment and the tenant's `limits` (default: the server's) (ApiError
     if it does not fit) and build its row; no I/O but the checks of local paths."""
-    check_spec(spec, settings, (limits or Limits.of(None, settings)).max_active_chips)
+    check_spec(spec, settings, limits or Limits.of(None, settings, tenant), tenant)
     dumped = spec.model_dump(mode="json")
     spec_json = spec.model_dump_json()  # (half the time json.dumps(dumped) takes)
     request_hash = None
@@ -184,7 +184,7 @@ def prepare_job(
         method=spec.method.type,
         spec=dumped,
         executor=settings.executor,
-        output_uri=spec.output_uri or default_output_uri(settings, job_id),
+        output_uri=spec.output_uri or default_output_uri(settings, job_id, tenant),
         created_at=now,
         updated_at=now,
     )
@@ -532,7 +532,7 @@ def create_job(
     """Insert a queued job and commit; returns (job, created). For scripts and tests: the API creates
     jobs through `api.writer` (`make_writer`), which stores the jobs of concurrent requests together."""
     own = session.get(Tenant, tenant)
-    new = prepare_job(spec, settings, tenant, idempotency_key, Limits.of(own, settings))
+    new = prepare_job(spec, settings, tenant, idempotency_key, Limits.of(own, settings, tenant))
     try:
         [outcome] = write_jobs(session.connection(), [new])
     except QueueFull as full:
@@ -960,7 +960,7 @@ def _queue_room_check(session: Session, tenant: str, settings: Settings) -> Call
     and submissions, as `write_jobs` is: the jobs are counted after the move, in its transaction (on SQLite
     the move holds the write lock until the commit); on PostgreSQL the tenant's queue lock is taken first
     (here: it is held until the move's commit or rollback)."""
-    limit = Limits.of(session.get(Tenant, tenant), settings).max_queued_jobs
+    limit = Limits.of(session.get(Tenant, tenant), settings, tenant).max_queued_jobs
     if limit is None:
         return None
     _lock_tenant_queue(session, tenant)

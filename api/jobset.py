@@ -76,6 +76,12 @@ def label_value(value: str) -> str:
     return "h-" + hashlib.sha256(value.encode()).hexdigest()[:40]
 
 
+def service_account(settings: Settings, tenant: str) -> str:
+    """The Kubernetes service account `tenant`'s workers run as: TPUTUNE_K8S_WORKER_SERVICE_ACCOUNT, its
+    `{tenant}` put in (api.validation.check_service_account refuses a team whose name cannot be one)."""
+    return settings.k8s_worker_service_account.replace("{tenant}", tenant)
+
+
 def labels(job: Job) -> dict[str, str]:
     return {
         LABEL_MANAGED_BY: MANAGED_BY,
@@ -218,7 +224,7 @@ def _pod_template(job: Job, settings: Settings, request: tpu.TpuRequest) -> dict
     return {
         "metadata": metadata,
         "spec": {
-            "serviceAccountName": settings.k8s_worker_service_account,
+            "serviceAccountName": service_account(settings, job.tenant),
             # Workers reach Cloud Storage through Workload Identity, never the Kubernetes API.
             "automountServiceAccountToken": False,
             "restartPolicy": "Never",

@@ -166,10 +166,11 @@ class ApiKey(SQLModel, table=True):
 
 
 class Tenant(SQLModel, table=True):
-    """A tenant's own limits on what its jobs hold at once and how many may wait, where an admin set them
-    (PATCH /admin/tenants/{name}). A tenant without a row, or a limit NULL here, has the server's
-    (TPUTUNE_TENANT_MAX_ACTIVE_JOBS/CHIPS, TPUTUNE_TENANT_MAX_QUEUED_JOBS); -1 (api.tenants.UNLIMITED): no
-    limit, whatever the server's. api.tenants.Limits says what holds."""
+    """A tenant's own limits on what its jobs hold at once and how many may wait, and where they may read
+    and write, where an admin set them (PATCH /admin/tenants/{name}). A tenant without a row, or a limit
+    NULL here, has the server's (TPUTUNE_TENANT_MAX_ACTIVE_JOBS/CHIPS, TPUTUNE_TENANT_MAX_QUEUED_JOBS,
+    TPUTUNE_TENANT_DATA_PREFIXES); -1 (api.tenants.UNLIMITED): no limit, whatever the server's.
+    api.tenants.Limits says what holds."""
 
     __tablename__ = "tenants"
 
@@ -177,6 +178,9 @@ class Tenant(SQLModel, table=True):
     max_active_jobs: int | None = None
     max_active_chips: int | None = None
     max_queued_jobs: int | None = None
+    # Where its jobs may read and write (api.validation.check_data_scope): prefixes, or "any" (anywhere,
+    # whatever the server's); NULL: the server's (TPUTUNE_TENANT_DATA_PREFIXES).
+    data_prefixes: list[str] | str | None = Field(default=None, sa_column=Column(JSON, nullable=True))
     updated_at: datetime = Field(default_factory=utcnow, sa_type=DateTime(timezone=True), nullable=False)
     updated_by: str | None = Field(default=None, max_length=64)  # who set them, as Principal.who says
 

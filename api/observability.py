@@ -175,7 +175,7 @@ class _JobsByStatus(Collector):
             held.add_metric([tenant], entry.chips)
         yield held
         for tenant in sorted(set(used) | set(own)):
-            limits = tenant_limits.Limits.of(own.get(tenant), self.settings)
+            limits = tenant_limits.Limits.of(own.get(tenant), self.settings, tenant)
             for name, limit_family in limit_families.items():
                 if (value := getattr(limits, name)) is not None:
                     limit_family.add_metric([tenant], value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 from functools import cached_property
@@ -12,9 +13,11 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from worker.config import check_bucket
+from worker.config import check_prefix
 
 AUTO_WORKERS_MAX = 4  # TPUTUNE_WORKERS=0: a worker per core, up to this many
+# A Kubernetes object's name (a DNS-1123 subdomain), as a worker's service account must be.
+SERVICE_ACCOUNT = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 KEY_DAYS_MAX = 36_500  # the longest lifetime an API key may be given, in days (a hundred years)
 
 
@@ -38,6 +41,18 @@ class Settings(BaseSettings):
     allowed_data_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=list,
         description="Local dirs jobs may read from and write to (comma-separated); data_dir always is.",
+    )
+    tenant_data_prefixes: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Where each team's jobs may read and write (comma-separated): gs://bucket/path or local "
+        "directory prefixes, `{tenant}` standing for the job's team (gs://ml-data/teams/{tenant}); an admin "
+        "may give a team its own (PATCH /admin/tenants/{name}). Empty: anywhere (local paths within the "
+        "data roots).",
+    )
+    shared_read_prefixes: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["gs://gemma-data"],
+        description="Where every team's jobs may also read, not write, where a team's data prefixes hold: "
+        "the official Gemma checkpoints and tokenizer (comma-separated).",
     )
     allow_tiny_model: bool = Field(default=False, description="Accept the `tiny` test model.")
     worker_command: str = Field(
@@ -222,7 +237,10 @@ class Settings(BaseSettings):
     k8s_worker_image: str | None = Field(default=None, description="The worker image (Dockerfile.worker).")
     k8s_image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     k8s_worker_service_account: str = Field(
-        default="tputune-worker", description="Kubernetes service account of the workers (Workload Identity)."
+        default="tputune-worker",
+        description="Kubernetes service account of the workers (Workload Identity); `{tenant}` stands for "
+        "the job's team (tputune-worker-{tenant}: each team's jobs reach only the buckets its own Google "
+        "service account may).",
     )
     k8s_worker_cpu: str = Field(default="8", description="CPU request of each worker pod.")
     k8s_worker_memory: str = Field(default="32Gi", description="Memory request of each worker pod.")
@@ -250,7 +268,9 @@ class Settings(BaseSettings):
     k8s_output_base_uri: str | None = Field(
         default=None,
         pattern=r"^gs://[^/]+",
-        description="gs://bucket/prefix: a job without output_uri writes under <prefix>/<job id>.",
+        description="gs://bucket/prefix: a job without output_uri writes under <prefix>/<job id>; `{tenant}` "
+        "stands for the job's team (gs://outputs/tputune/{tenant}: a place each team's service account may "
+        "write).",
     )
     k8s_tpu_machine_types: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
@@ -271,14 +291,36 @@ class Settings(BaseSettings):
         """A bucket name the pods can mount: the overlay's placeholder (OUTPUT_BUCKET) left in failed every
         job at run time, after the wait for TPUs."""
         if value is not None:
-            check_bucket(value.removeprefix("gs://").partition("/")[0])
+            check_prefix(value)  # (`{tenant}` may stand for the team: a bucket or a directory of each)
         return value
 
-    @field_validator("allowed_data_roots", "k8s_tpu_machine_types", "webhook_retry_seconds", mode="before")
+    @field_validator(
+        "allowed_data_roots",
+        "k8s_tpu_machine_types",
+        "webhook_retry_seconds",
+        "tenant_data_prefixes",
+        "shared_read_prefixes",
+        mode="before",
+    )
     @classmethod
     def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):
             return [part for part in (p.strip() for p in value.split(",")) if part]
+        return value
+
+    @field_validator("tenant_data_prefixes", "shared_read_prefixes")
+    @classmethod
+    def _prefixes(cls, value: list[str]) -> list[str]:
+        return [check_prefix(prefix) for prefix in value]
+
+    @field_validator("k8s_worker_service_account")
+    @classmethod
+    def _service_account(cls, value: str) -> str:
+        if not SERVICE_ACCOUNT.fullmatch(value.replace("{tenant}", "team")):
+            raise ValueError(
+                "a Kubernetes service account name: lowercase letters, digits, '-' and '.', starting and "
+                "ending with a letter or digit, `{tenant}` standing for the job's team"
+            )
         return value
 
     @field_validator("webhook_retry_seconds")

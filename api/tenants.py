@@ -40,10 +40,12 @@ class Limits:
     max_active_jobs: int | None
     max_active_chips: int | None
     max_queued_jobs: int | None
+    # Where its jobs may read and write, `{tenant}` put in (api.validation.check_data_scope); None: anywhere.
+    data_prefixes: tuple[str, ...] | None = None
 
     @classmethod
-    def of(cls, row: Tenant | None, settings: Settings) -> Limits:
-        """A tenant's own limits (`row`), each one it has no own of being the server's."""
+    def of(cls, row: Tenant | None, settings: Settings, tenant: str) -> Limits:
+        """Tenant `tenant`'s own limits (`row`), each one it has no own of being the server's."""
 
         def own_or_server(name: str) -> int | None:
             value = getattr(row, name) if row is not None else None
@@ -51,7 +53,12 @@ class Limits:
                 return None
             return value if value is not None else getattr(settings, f"tenant_{name}")
 
-        return cls(*(own_or_server(name) for name in LIMITS))
+        return cls(
+            own_or_server("max_active_jobs"),
+            own_or_server("max_active_chips"),
+            own_or_server("max_queued_jobs"),
+            data_prefixes(row, settings, tenant),
+        )
 
     @property
     def any(self) -> bool:
@@ -61,6 +68,17 @@ class Limits:
 LIMITS = ("max_active_jobs", "max_active_chips", "max_queued_jobs")  # (Limits' fields, Tenant's columns)
 # A tenant's own limit that is none at all, whatever the server's: what `"unlimited"` is stored as.
 UNLIMITED = -1
+ANYWHERE = "any"  # a tenant's own data prefixes that are none at all, whatever the server's
+
+
+def data_prefixes(row: Tenant | None, settings: Settings, tenant: str) -> tuple[str, ...] | None:
+    """Where `tenant`'s jobs may read and write: its own prefixes (`row`) or else the server's, with
+    `{tenant}` put in; None: anywhere."""
+    own = row.data_prefixes if row is not None else None
+    if own == ANYWHERE:
+        return None
+    prefixes = own if own is not None else settings.tenant_data_prefixes
+    return tuple(prefix.replace("{tenant}", tenant) for prefix in prefixes) or None
 
 
 def load(session: Session) -> dict[str, Tenant]:
@@ -258,7 +276,7 @@ class LimitsCache:
             self._reading = asyncio.create_task(self._read())
         if self._rows is None and self._reading is not None:
             await asyncio.shield(self._reading)  # (the first read: nothing to go on before it)
-        return Limits.of((self._rows or {}).get(tenant), self.settings)
+        return Limits.of((self._rows or {}).get(tenant), self.settings, tenant)
 
     async def _read(self) -> None:
         started = time.monotonic()

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from api import tpu
 from api.errors import ApiError
-from api.jobset import tpu_request
+from api.jobset import service_account, tpu_request
 from api.models import job_spec
-from api.settings import Settings
+from api.settings import SERVICE_ACCOUNT, Settings
 from worker.config import TINY_MODEL, JobSpec, Resources
+
+if TYPE_CHECKING:
+    from api.tenants import Limits
 
 
 def _under_roots(path: str, roots: list[Path]) -> bool:
@@ -59,7 +63,19 @@ _O_PATH_DIRECTORY = (
 )
 
 
-def check_local_paths(spec: JobSpec, settings: Settings) -> None:
+def output_roots(settings: Settings, tenant: str) -> list[str]:
+    """The gs:// places of the jobs' own outputs (TPUTUNE_K8S_OUTPUT_BASE_URI), which a job reads only as
+    `from_job`: the base, or with `{tenant}` in it the team's own and, where the teams' lie under one path
+    (gs://outputs/tputune/{tenant}), that path."""
+    base = (settings.k8s_output_base_uri or "").rstrip("/")
+    if not base or "{tenant}" not in base:
+        return [base] if base else []
+    head = base[: base.index("{tenant}")]
+    shared = [head.rstrip("/")] if head.endswith("/") and head != "gs://" else []
+    return [base.replace("{tenant}", tenant), *shared]
+
+
+def check_local_paths(spec: JobSpec, settings: Settings, tenant: str) -> None:
     fields = {
         "dataset_uri": spec.dataset_uri,
         "validation_uri": spec.validation_uri,
@@ -68,7 +84,7 @@ def check_local_paths(spec: JobSpec, settings: Settings) -> None:
         "tokenizer_uri": spec.tokenizer_uri,
     }
     roots = settings.data_roots
-    outputs = (settings.k8s_output_base_uri or "").rstrip("/")
+    outputs = output_roots(settings, tenant)
     for field, uri in fields.items():
         if uri is None:
             continue
@@ -76,8 +92,9 @@ def check_local_paths(spec: JobSpec, settings: Settings) -> None:
         # `from_job`, whose team the server checked (api.jobs.resolve_from_job), and writes only its own.
         own_export = field == "base_checkpoint_uri" and spec.from_job is not None
         if uri.startswith("gs://"):
-            if outputs and not own_export and (uri.rstrip("/") == outputs or uri.startswith(f"{outputs}/")):
-                raise _inside_jobs(field, uri, outputs, "a gs:// path elsewhere")
+            inside = next((root for root in outputs if _under_prefix(uri, root)), None)
+            if inside is not None and not own_export:
+                raise _inside_jobs(field, uri, inside, "a gs:// path elsewhere")
             continue
         if settings.executor == "kubernetes":
             raise ApiError(
@@ -178,9 +195,64 @@ def check_tpu_resources(spec: JobSpec, settings: Settings) -> None:
         )
 
 
-def check_spec(spec: JobSpec, settings: Settings, chip_limit: int | None) -> None:
-    """ApiError if `spec` does not fit this deployment, or needs more chips than its tenant's running jobs
-    may hold at once (`chip_limit`, api.tenants.Limits; None: no limit): it could never start."""
+def job_uris(spec: dict[str, Any]) -> dict[str, str]:
+    """The places a job (its spec as stored) reads and writes, by field; its `from_job` weights left out
+    (a job of its own team's, which the server checked: api.jobs.resolve_from_job)."""
+    uris = {field: spec.get(field) for field in URI_FIELDS}
+    if spec.get("from_job") is not None:
+        uris.pop("base_checkpoint_uri")
+    return {field: uri for field, uri in uris.items() if uri is not None}
+
+
+URI_FIELDS = ("dataset_uri", "validation_uri", "base_checkpoint_uri", "tokenizer_uri", "output_uri")
+
+
+def check_data_scope(uris: dict[str, str], settings: Settings, prefixes: Sequence[str] | None) -> None:
+    """ApiError (422 path_not_allowed) if a job would read or write outside its team's data `prefixes`
+    (api.tenants.Limits.data_prefixes; None: anywhere). It may also read under the shared read prefixes
+    (the official weights). A local path is compared as the kernel resolves it (a symlink out is out)."""
+    if prefixes is None:
+        return
+    for field, uri in uris.items():
+        writes = field == "output_uri"
+        allowed = [*prefixes] if writes else [*prefixes, *settings.shared_read_prefixes]
+        if not any(_under_prefix(uri, prefix) for prefix in allowed):
+            raise ApiError(
+                422,
+                "path_not_allowed",
+                f"{field}: {uri} is outside where your team's jobs may {'write' if writes else 'read'} "
+                f"({', '.join(allowed)}); move it under one of them, or ask your admin to give your team "
+                "this place (PATCH /admin/tenants/{name}, data_prefixes).",
+                param=field,
+            )
+
+
+def _under_prefix(uri: str, prefix: str) -> bool:
+    if uri.startswith("gs://") != prefix.startswith("gs://"):
+        return False
+    if not uri.startswith("gs://"):
+        uri, prefix = real_path(uri), os.path.realpath(prefix)
+    prefix = prefix.rstrip("/")
+    return uri == prefix or uri.startswith(f"{prefix}/")
+
+
+def check_service_account(settings: Settings, tenant: str) -> None:
+    """On Kubernetes with a service account for each team (`{tenant}`), the team's must be a valid name."""
+    if settings.executor == "kubernetes" and "{tenant}" in settings.k8s_worker_service_account:
+        name = service_account(settings, tenant)
+        if not SERVICE_ACCOUNT.fullmatch(name):
+            raise ApiError(
+                422,
+                "tenant_name_not_allowed",
+                f"Your team's jobs run as the Kubernetes service account {name!r}, which is not a valid name "
+                "(lowercase letters, digits, '-' and '.'); ask your admin for a key of a team named so.",
+            )
+
+
+def check_spec(spec: JobSpec, settings: Settings, limits: Limits, tenant: str) -> None:
+    """ApiError if `spec` does not fit this deployment, reads or writes outside its tenant's data prefixes,
+    or needs more chips than its tenant's running jobs may hold at once (`limits`): it could never start."""
+    chip_limit = limits.max_active_chips
     if spec.model == TINY_MODEL and not settings.allow_tiny_model:
         raise ApiError(
             422,
@@ -189,7 +261,11 @@ def check_spec(spec: JobSpec, settings: Settings, chip_limit: int | None) -> Non
             "use a gemma3-* model.",
             param="model",
         )
-    check_local_paths(spec, settings)
+    check_local_paths(spec, settings, tenant)
+    if limits.data_prefixes is not None:
+        fields = {field: getattr(spec, field) for field in (*URI_FIELDS, "from_job")}
+        check_data_scope(job_uris(fields), settings, limits.data_prefixes)
+    check_service_account(settings, tenant)
     check_resources(spec, settings)
     if chip_limit is not None and (chips := job_chips(spec, settings)) > chip_limit:
         what = "TPU chips" if settings.executor == "kubernetes" else "local processes"

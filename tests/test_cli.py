@@ -454,6 +454,7 @@ def test_tenants_commands(live_api, dataset: Path, capsys) -> None:  # type: ign
         "tenant research",
         "  jobs:  0 active, limit none; 0 queued, limit none",
         "  processes: 0 held, limit 8 (server)",
+        "  data:  anywhere",
     ]
     code, out, err = run(api, capsys, *member, "tenants", "set", "research", "--max-jobs", "9")
     assert code == 3 and "(admin_only)" in err
@@ -463,9 +464,17 @@ def test_tenants_commands(live_api, dataset: Path, capsys) -> None:  # type: ign
         "  jobs:  0 active, limit 2; 0 queued, limit 1",
         "  processes: 0 held, limit 4",
     ]
-    assert out.splitlines()[3].startswith(
+    assert out.splitlines()[4].startswith(
         "  limits set by the admin at " + time.strftime("%Y-%m-%d", time.gmtime())
     )
+    where = ("--data-prefix", "gs://ml-data/{tenant}/", "--data-prefix", str(dataset.parent))
+    code, out, _ = run(api, capsys, *admin, "tenants", "set", "research", *where)
+    assert code == 0 and out.splitlines()[3:5] == [
+        f"  data:  gs://ml-data/research, {dataset.parent}",
+        "         and may read gs://gemma-data",
+    ]
+    code, out, _ = run(api, capsys, *admin, "tenants", "set", "research", "--data-prefix", "any")
+    assert code == 0 and out.splitlines()[3] == "  data:  anywhere"
     # Over the limit on queued jobs, `submit` says so.
     job = ("submit", "--name", "a", "--model", "tiny", "--dataset", str(dataset))
     assert run(api, capsys, *member, *job)[0] == 0
@@ -495,7 +504,7 @@ def test_tenants_commands(live_api, dataset: Path, capsys) -> None:  # type: ign
         main(["tenants", "set", "ops", "--max-jobs", "lots"])
     assert "expected a number, 'default' or 'unlimited'" in capsys.readouterr().err
     code, _, err = run(api, capsys, *admin, "tenants", "set", "ops")
-    assert code == 2 and "--max-jobs, --max-chips or --max-queued" in err
+    assert code == 2 and "--max-jobs, --max-chips or --max-queued" in err and "--data-prefix" in err
 
     since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 7 * 86400))
     code, out, _ = run(api, capsys, *member, "usage", "--since", since)

@@ -392,3 +392,38 @@ def test_webhooks_stored_before_are_enabled_and_keep_their_deliveries(database_u
     downgrade(database_url, "0011")
     assert stored() == ([("wh_1", "https://example.com/")], 1)
     upgrade(database_url)
+
+
+def test_tenants_stored_before_keep_their_limits_and_have_the_servers_data_prefixes(
+    database_url: str,
+) -> None:
+    """0013 adds a tenant's own data prefixes: those stored before have none (the server's hold); going
+    back to 0012 drops them and keeps the limits."""
+    downgrade(database_url, "0012")
+    engine = make_engine(database_url)
+    with engine.begin() as connection:
+        connection.execute(
+            text("INSERT INTO tenants (name, max_active_jobs, updated_at) VALUES ('research', 2, :now)"),
+            {"now": utcnow()},
+        )
+    engine.dispose()
+
+    def stored() -> list[Any]:
+        engine = make_engine(database_url)
+        with engine.connect() as connection:
+            columns = {column["name"] for column in inspect(connection).get_columns("tenants")}
+            added = ", data_prefixes" if "data_prefixes" in columns else ""
+            rows = connection.execute(text(f"SELECT name, max_active_jobs{added} FROM tenants")).all()
+        engine.dispose()
+        return [tuple(row) for row in rows]
+
+    upgrade(database_url)
+    assert stored() == [("research", 2, None)]
+    engine = make_engine(database_url)
+    with engine.begin() as connection:
+        connection.execute(text("""UPDATE tenants SET data_prefixes = '["gs://ml-data/research"]'"""))
+    engine.dispose()
+    downgrade(database_url, "0012")
+    assert stored() == [("research", 2)]
+    upgrade(database_url)
+    assert stored() == [("research", 2, None)]

@@ -78,6 +78,9 @@ def test_an_admin_sets_a_tenants_limits_and_the_team_sees_them(app_client: TestC
         "own_limits": limits(None, None),
         "usage": {"active_jobs": 0, "queued_jobs": 0, "chips": 0},
         "chip_unit": "processes",
+        "data_prefixes": None,  # (anywhere: the server has no TPUTUNE_TENANT_DATA_PREFIXES)
+        "own_data_prefixes": None,
+        "shared_read_prefixes": ["gs://gemma-data"],
         "updated_at": None,
         "updated_by": None,
     }
@@ -160,7 +163,7 @@ def test_a_team_exempt_from_the_servers_limits_has_none(
         # Stored as such: another process (a replica) reads it so.
         with Session(app_client.app.state.engine) as session:  # type: ignore[attr-defined]
             row = session.get(Tenant, "research")
-        assert tenants.Limits.of(row, settings) == tenants.Limits(None, None, None)
+        assert tenants.Limits.of(row, settings, "research") == tenants.Limits(None, None, None)
         # One limit given, the others stay unlimited; null: the server's again.
         one = app_client.patch("/admin/tenants/research", json={"max_active_jobs": 2}, headers=admin)
         assert one.json()["own_limits"] == {**every, "max_active_jobs": 2}

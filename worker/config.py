@@ -145,6 +145,33 @@ def check_uri(value: str) -> str:
     return posixpath.normpath(value)
 
 
+def check_prefix(value: str) -> str:
+    """A place jobs may read or write under: gs://bucket[/path] or an absolute local directory, `{tenant}`
+    standing for a team's name (a whole segment or part of one: gs://ml-{tenant}/data); without its
+    trailing '/'. What is under it: the place itself and what follows it after a '/'."""
+    check_text(value)
+    sample = value.replace("{tenant}", "team")
+    if "{" in sample or "}" in sample:
+        raise PydanticCustomError(
+            "invalid_prefix", "only {tenant} may stand for something in a prefix, like gs://data/{tenant}"
+        )
+    if sample.startswith("gs://"):
+        bucket, _, path = sample[len("gs://") :].partition("/")
+        check_bucket(bucket)
+        if {".", ".."} & set(path.split("/")):
+            raise PydanticCustomError(
+                "path_traversal", "a gs:// prefix must not contain '.' or '..' segments"
+            )
+        return value.rstrip("/")
+    if not sample.startswith("/"):
+        raise PydanticCustomError(
+            "invalid_prefix", "a prefix is gs://bucket/path or an absolute local directory, like /data/team"
+        )
+    if ".." in sample.split("/"):
+        raise PydanticCustomError("path_traversal", "a local prefix must not contain '..'")
+    return posixpath.normpath(value)
+
+
 def check_bucket(bucket: str) -> None:
     """A Cloud Storage bucket name. (The pods mount each bucket at /gcs/<bucket>: a bad name failed there,
     after the wait for TPUs.)"""

@@ -26,14 +26,17 @@ from api.errors import ApiError
 from api.models import ApiKey, Tenant, as_utc, utcnow
 from api.schemas import ErrorResponse, error_responses
 from api.settings import Settings
-from api.tenants import LIMITS, UNLIMITED, Limits, Spent, Usage, load, spent, usage
+from api.tenants import ANYWHERE, LIMITS, UNLIMITED, Limits, Spent, Usage, load, spent, usage
 from api.validation import chip_unit
+from worker.config import check_prefix
 
 log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["tenants"], responses=error_responses(401, 413, 422, 429, 503))
 
 LIMIT_MAX = 1_000_000
+PREFIXES_MAX = 32  # a tenant's own data prefixes
+PREFIX_LENGTH_MAX = 1024
 
 
 class LimitValues(BaseModel):
@@ -81,12 +84,24 @@ class TenantPublic(BaseModel):
         "local executor, whose processes stand in for TPU VMs).",
         examples=["TPU chips"],
     )
+    data_prefixes: list[str] | None = Field(
+        description="Where its jobs may read and write (gs://bucket/path or local directories, and what is "
+        "under them); they may also read under `shared_read_prefixes`. null: anywhere."
+    )
+    own_data_prefixes: list[str] | Literal["any"] | None = Field(
+        description="The data prefixes an admin set for this tenant (`any`: anywhere, whatever the "
+        "server's); null: the server's (TPUTUNE_TENANT_DATA_PREFIXES, `{tenant}` standing for its name)."
+    )
+    shared_read_prefixes: list[str] = Field(
+        description="Where every team's jobs may also read, where data prefixes hold: the official weights."
+    )
     updated_at: datetime | None = Field(description="When an admin last set its limits.")
     updated_by: str | None = Field(description="Who did.")
 
     @classmethod
     def of(cls, name: str, row: Tenant | None, used: Usage | None, settings: Settings) -> TenantPublic:
-        limits = Limits.of(row, settings)
+        limits = Limits.of(row, settings, name)
+        prefixes = limits.data_prefixes
         return cls(
             name=name,
             limits=LimitValues(**{field: getattr(limits, field) for field in LIMITS}),
@@ -97,6 +112,9 @@ class TenantPublic(BaseModel):
                 chips=used.chips if used else 0,
             ),
             chip_unit=chip_unit(settings),
+            data_prefixes=list(prefixes) if prefixes is not None else None,
+            own_data_prefixes=row.data_prefixes if row else None,  # type: ignore[arg-type]
+            shared_read_prefixes=settings.shared_read_prefixes,
             updated_at=as_utc(row.updated_at) if row else None,
             updated_by=row.updated_by if row else None,
         )
@@ -127,6 +145,32 @@ class TenantLimitsUpdate(BaseModel):
         "too_many_queued_jobs (0: none are accepted); null: the server's TPUTUNE_TENANT_MAX_QUEUED_JOBS.",
     )
 
+    data_prefixes: list[str] | Literal["any"] | None = Field(
+        default=None,
+        description="Where its jobs may read and write: gs://bucket/path or absolute local directory "
+        f"prefixes (1 to {PREFIXES_MAX}), `{{tenant}}` standing for its name; a job with data or an output "
+        "elsewhere is refused, and one queued fails. `any`: anywhere, whatever the server's; null: the "
+        "server's TPUTUNE_TENANT_DATA_PREFIXES.",
+    )
+
+    @field_validator("data_prefixes", mode="before")
+    @classmethod
+    def _prefixes(cls, value: Any) -> Any:
+        if value is None or value == ANYWHERE:
+            return value
+        if (
+            not isinstance(value, list)
+            or not 1 <= len(value) <= PREFIXES_MAX
+            or not all(isinstance(prefix, str) and 0 < len(prefix) <= PREFIX_LENGTH_MAX for prefix in value)
+        ):
+            raise PydanticCustomError(
+                "invalid_prefixes",
+                f"expected a list of 1 to {PREFIXES_MAX} prefixes (gs://bucket/path or absolute local "
+                f'directories of up to {PREFIX_LENGTH_MAX} characters), "any" (anywhere), or null (the '
+                "server's)",
+            )
+        return list(dict.fromkeys(check_prefix(prefix) for prefix in value))
+
     @field_validator(*LIMITS, mode="wrap")
     @classmethod
     def _one_sentence(cls, value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
@@ -147,6 +191,7 @@ class TenantLimitsUpdate(BaseModel):
             "examples": [
                 {"max_active_jobs": 4, "max_active_chips": 64, "max_queued_jobs": 100},
                 {"max_active_jobs": "unlimited", "max_active_chips": "unlimited"},
+                {"data_prefixes": ["gs://ml-data/teams/research", "gs://ml-data/shared/eval"]},
             ]
         },
     }
@@ -206,7 +251,7 @@ def get_tenant(
     "/admin/tenants/{name}",
     response_model=TenantPublic,
     responses=_admin_errors,
-    summary="Set a tenant's limits",
+    summary="Set a tenant's limits, and where its jobs may read and write",
 )
 def set_tenant_limits(
     name: TenantName,
@@ -219,7 +264,8 @@ def set_tenant_limits(
     """The fields given change; null gives the tenant the server's limit back. Its queued jobs start at
     once if they now fit; running jobs go on even if they no longer do. A lower chip limit refuses new
     jobs bigger than it (a job already queued that needs more waits, saying so). A lower limit on queued
-    jobs refuses new ones until the queue is below it; the queued ones stay."""
+    jobs refuses new ones until the queue is below it; the queued ones stay. Narrower data prefixes refuse
+    new jobs with data or an output outside them, and fail such jobs still queued (running ones go on)."""
     asked = body.model_dump(include=body.model_fields_set)
     changes = {field: UNLIMITED if value == "unlimited" else value for field, value in asked.items()}
     row = session.get(Tenant, name)

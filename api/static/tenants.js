@@ -1,5 +1,5 @@
 // The teams page: GET /admin/tenants (and what each ran in 30 days, GET /usage), and each team's limits
-// set with PATCH /admin/tenants/{name}.
+// and data prefixes set with PATCH /admin/tenants/{name}.
 import { api, button, el, formatNumber, minute } from "./common.js";
 
 const REFRESH_MS = 5000;
@@ -21,12 +21,20 @@ function ofLimit(used, tenant, field) {
   return `${used} of ${limit}${tenant.own_limits[field] === null ? " (server)" : ""}`;
 }
 
+// Where its jobs may read and write: its prefixes ("(server)" where they are the server's), or "anywhere".
+function where(tenant) {
+  if (tenant.data_prefixes === null) return "anywhere";
+  return tenant.data_prefixes.join(", ") + (tenant.own_data_prefixes === null ? " (server)" : "");
+}
+
 function row(tenant, spent) {
   const edit = button("Edit", `Edit ${tenant.name}`, () => {
     form.elements.tenant.value = tenant.name;
     form.elements.jobs.value = tenant.own_limits.max_active_jobs ?? "";
     form.elements.chips.value = tenant.own_limits.max_active_chips ?? "";
     form.elements.queued.value = tenant.own_limits.max_queued_jobs ?? "";
+    const own = tenant.own_data_prefixes;
+    form.elements.data.value = own === null ? "" : own === "any" ? "any" : own.join("\n");
     form.elements.jobs.focus();
   });
   const set = tenant.updated_at ? `${tenant.updated_by ?? ""} ${minute(tenant.updated_at)}` : "";
@@ -36,6 +44,7 @@ function row(tenant, spent) {
     el("td", { text: ofLimit(tenant.usage.chips, tenant, "max_active_chips"), className: "num chips" }),
     el("td", { text: ofLimit(tenant.usage.queued_jobs, tenant, "max_queued_jobs"), className: "num queued" }),
     el("td", { text: formatNumber(spent?.chip_hours ?? 0, 3), className: "num spent" }),
+    el("td", { text: where(tenant), className: "data" }),
     el("td", { text: set.trim(), className: "muted" }),
     el("td", {}, [edit]),
   ]);
@@ -56,6 +65,13 @@ async function refresh() {
   }
 }
 
+// The form's prefixes: one a line (or comma-separated); none: the server's (null); `any`: anywhere.
+function prefixes(text) {
+  const given = text.split(/[\n,]/).map((line) => line.trim()).filter((line) => line !== "");
+  if (given.length === 0) return null;
+  return given.length === 1 && given[0] === "any" ? "any" : given;
+}
+
 form.addEventListener("submit", async (event) => {
   event.preventDefault();
   const data = new FormData(form);
@@ -71,6 +87,7 @@ form.addEventListener("submit", async (event) => {
         max_active_jobs: limit("jobs"),
         max_active_chips: limit("chips"),
         max_queued_jobs: limit("queued"),
+        data_prefixes: prefixes(data.get("data")),
       }),
     });
     error.hidden = true;
