@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 from collections.abc import Sequence
@@ -75,7 +76,10 @@ def output_roots(settings: Settings, tenant: str) -> list[str]:
     return [base.replace("{tenant}", tenant), *shared]
 
 
-def check_local_paths(spec: JobSpec, settings: Settings, tenant: str) -> None:
+def check_local_paths(spec: JobSpec, settings: Settings, tenant: str) -> dict[str, str]:
+    """ApiError if a path of `spec` is not one this server's jobs may use; returns the local ones as the
+    kernel resolves them, by field."""
+    resolved: dict[str, str] = {}
     fields = {
         "dataset_uri": spec.dataset_uri,
         "validation_uri": spec.validation_uri,
@@ -92,7 +96,7 @@ def check_local_paths(spec: JobSpec, settings: Settings, tenant: str) -> None:
         # `from_job`, whose team the server checked (api.jobs.resolve_from_job), and writes only its own.
         own_export = field == "base_checkpoint_uri" and spec.from_job is not None
         if uri.startswith("gs://"):
-            inside = next((root for root in outputs if _under_prefix(uri, root)), None)
+            inside = next((root for root in outputs if _under(uri, root)), None)
             if inside is not None and not own_export:
                 raise _inside_jobs(field, uri, inside, "a gs:// path elsewhere")
             continue
@@ -103,7 +107,7 @@ def check_local_paths(spec: JobSpec, settings: Settings, tenant: str) -> None:
                 f"{field}: {uri} is a local path, which TPU pods cannot see; use a gs://bucket/path URI.",
                 param=field,
             )
-        real = real_path(uri)
+        real = resolved[field] = real_path(uri)
         if not _within(real, roots):
             allowed = ", ".join(str(r) for r in roots)
             raise ApiError(
@@ -115,6 +119,7 @@ def check_local_paths(spec: JobSpec, settings: Settings, tenant: str) -> None:
             )
         if not own_export and _within(real, [settings.jobs_root]):
             raise _inside_jobs(field, uri, str(settings.jobs_dir), "an allowed data root")
+    return resolved
 
 
 def _inside_jobs(field: str, uri: str, jobs: str, elsewhere: str) -> ApiError:
@@ -207,16 +212,27 @@ def job_uris(spec: dict[str, Any]) -> dict[str, str]:
 URI_FIELDS = ("dataset_uri", "validation_uri", "base_checkpoint_uri", "tokenizer_uri", "output_uri")
 
 
-def check_data_scope(uris: dict[str, str], settings: Settings, prefixes: Sequence[str] | None) -> None:
+def check_data_scope(
+    uris: dict[str, str],
+    settings: Settings,
+    prefixes: Sequence[str] | None,
+    resolved: dict[str, str] | None = None,
+) -> None:
     """ApiError (422 path_not_allowed) if a job would read or write outside its team's data `prefixes`
     (api.tenants.Limits.data_prefixes; None: anywhere). It may also read under the shared read prefixes
-    (the official weights). A local path is compared as the kernel resolves it (a symlink out is out)."""
+    (the official weights). A local path is compared as the kernel resolves it (a symlink out is out;
+    `resolved`: those check_local_paths resolved, by field)."""
     if prefixes is None:
         return
     for field, uri in uris.items():
         writes = field == "output_uri"
         allowed = [*prefixes] if writes else [*prefixes, *settings.shared_read_prefixes]
-        if not any(_under_prefix(uri, prefix) for prefix in allowed):
+        if not uri.startswith("gs://"):
+            real = (resolved or {}).get(field) or real_path(uri)
+            inside = any(_under(real, _real_prefix(p)) for p in allowed if not p.startswith("gs://"))
+        else:
+            inside = any(_under(uri, p) for p in allowed if p.startswith("gs://"))
+        if not inside:
             raise ApiError(
                 422,
                 "path_not_allowed",
@@ -227,13 +243,17 @@ def check_data_scope(uris: dict[str, str], settings: Settings, prefixes: Sequenc
             )
 
 
-def _under_prefix(uri: str, prefix: str) -> bool:
-    if uri.startswith("gs://") != prefix.startswith("gs://"):
-        return False
-    if not uri.startswith("gs://"):
-        uri, prefix = real_path(uri), os.path.realpath(prefix)
+def _under(uri: str, prefix: str) -> bool:
+    """Whether `uri` is `prefix` or under it (a directory: gs://b/a holds gs://b/a/x, not gs://b/ab)."""
     prefix = prefix.rstrip("/")
     return uri == prefix or uri.startswith(f"{prefix}/")
+
+
+@functools.lru_cache(maxsize=1024)
+def _real_prefix(prefix: str) -> str:
+    """A local prefix as the kernel resolves it, once a process (realpath cost 10 us a check; the teams'
+    directories are set up before their jobs are submitted)."""
+    return os.path.realpath(prefix)
 
 
 def check_service_account(settings: Settings, tenant: str) -> None:
@@ -261,10 +281,10 @@ def check_spec(spec: JobSpec, settings: Settings, limits: Limits, tenant: str) -
             "use a gemma3-* model.",
             param="model",
         )
-    check_local_paths(spec, settings, tenant)
+    resolved = check_local_paths(spec, settings, tenant)
     if limits.data_prefixes is not None:
         fields = {field: getattr(spec, field) for field in (*URI_FIELDS, "from_job")}
-        check_data_scope(job_uris(fields), settings, limits.data_prefixes)
+        check_data_scope(job_uris(fields), settings, limits.data_prefixes, resolved)
     check_service_account(settings, tenant)
     check_resources(spec, settings)
     if chip_limit is not None and (chips := job_chips(spec, settings)) > chip_limit:
