@@ -178,25 +178,29 @@ class Dispatcher:
         """The next page of queued jobs (as `_page`), less those whose data is a local file found unusable
         now: they fail in groups (FAIL_GROUP a transaction) without being loaded (a burst of them is the
         costliest thing a pass does: loading the job objects was half of it). The others, loaded."""
-        columns = (_table.c.seq, _table.c.launched_at, _table.c.spec)
+        columns = (_table.c.seq, _table.c.launched_at, _table.c.tenant, _table.c.spec)
         page = self._page_query("queued", [JobStatus.queued], *columns).subquery()
         # The paths out of the JSON are taken after the LIMIT: else PostgreSQL may take them for every
         # queued job before it sorts (25 ms, not 4.5, with 4,000 queued).
         uris = [page.c.spec[key].as_string() for key in ("dataset_uri", "validation_uri")]
-        query = sa_select(page.c.seq, page.c.launched_at, *uris).order_by(page.c.seq)
+        query = sa_select(page.c.seq, page.c.launched_at, page.c.tenant, *uris).order_by(page.c.seq)
         rows = session.connection().execute(query).all()
         more = self._turn_page("queued", [row.seq for row in rows])
         load: list[int] = []
         used = time.thread_time()
-        for seq, launched_at, dataset, validation in rows:
+        for seq, launched_at, tenant, dataset, validation in rows:
             files = self._files(dataset, validation)
             if launched_at is not None or any(uri.startswith("gs://") for uri, _ in files):
                 load.append(seq)
                 continue
             try:
+                # Its team's data prefixes first (narrowed since it was queued): a file of another team's
+                # is not looked at for it. (Its other paths: _claim.)
+                paths = {"dataset_uri": dataset, "validation_uri": validation}
+                check_data_scope(job_uris(paths), self.settings, self._prefixes(session, tenant))
                 for uri, what in files:
                     check_dataset(uri, self.settings, what=what)
-            except DatasetUnavailable as exc:
+            except (DatasetUnavailable, ApiError) as exc:
                 self._unusable.append((seq, exc.code, exc.message))
                 if len(self._unusable) >= FAIL_GROUP:
                     self._yield(time.thread_time() - used)
@@ -298,14 +302,17 @@ class Dispatcher:
                 self._tenant_jobs[job.tenant].append(job)
             self._launch(session, job, data_checked=local)
 
+    def _prefixes(self, session: Session, tenant: str) -> tuple[str, ...] | None:
+        """Where `tenant`'s jobs may read and write (None: anywhere), as the tenants were read this pass."""
+        if self._limits is None:  # (once a pass, as _over_tenant_cap reads them)
+            self._limits = tenants.load(session)
+        return tenants.data_prefixes(self._limits.get(tenant), self.settings, tenant)
+
     def _in_scope(self, session: Session, job: Job) -> bool:
         """A job queued before an admin narrowed its team's data prefixes, with data or an output outside
         them now, fails as it would be refused now (path_not_allowed), with the others of the pass."""
-        if self._limits is None:  # (once a pass, as _over_tenant_cap reads them)
-            self._limits = tenants.load(session)
-        prefixes = tenants.data_prefixes(self._limits.get(job.tenant), self.settings, job.tenant)
         try:
-            check_data_scope(job_uris(job.spec), self.settings, prefixes)
+            check_data_scope(job_uris(job.spec), self.settings, self._prefixes(session, job.tenant))
         except ApiError as exc:
             assert job.seq is not None
             self._unusable.append((job.seq, exc.code, exc.message))

@@ -150,8 +150,9 @@ def test_a_queued_job_outside_its_teams_narrowed_prefixes_fails(
     make_settings: Callable[..., Settings], data_root: Path
 ) -> None:
     """An admin narrows a team's prefixes: its queued jobs with data elsewhere fail as they would now be
-    refused (before its limits are looked at); the others wait their turn."""
-    data = files(data_root, "research", "shared")
+    refused (before its limits are looked at, and before their files are: one removed since is not said
+    missing); the others wait their turn."""
+    data = files(data_root, "research", "shared", "gone")
     with server(make_settings) as app_client:
         settings = app_client.app.state.settings  # type: ignore[attr-defined]
         engine = app_client.app.state.engine  # type: ignore[attr-defined]
@@ -160,10 +161,13 @@ def test_a_queued_job_outside_its_teams_narrowed_prefixes_fails(
             name: app_client.post("/jobs", json=body(path), headers=research).json()["id"]
             for name, path in data.items()
         }
+        data["gone"].unlink()
         narrowed = {"data_prefixes": [str(data_root / "research")], "max_active_jobs": 0}
         assert app_client.patch("/admin/tenants/research", json=narrowed, headers=admin).status_code == 200
         assert Dispatcher(engine, make_executor(settings), settings).tick() is False
         with Session(engine) as session:
+            gone = service.get_job(session, "research", ids["gone"])
+            assert (gone.status, gone.error_code) == ("failed", "path_not_allowed")
             shared = service.get_job(session, "research", ids["shared"])
             assert (shared.status, shared.error_code) == ("failed", "path_not_allowed")
             assert f"dataset_uri: {data['shared']} is outside where your team's jobs may read" in (
