@@ -694,6 +694,16 @@ def queue_position_statement(job_id: str, mark: str) -> tuple[str, list[Any]]:
     )
 
 
+def queued_order_statement(executor: str, mark: str) -> tuple[str, list[Any]]:
+    """The jobs waiting in `executor`'s queue, as `queue_position_statement` counts them, in the
+    dispatcher's order: (id, tenant, 1 if held back by its team's limits else 0)."""
+    return (
+        f"SELECT id, tenant, CASE WHEN status_message LIKE {mark} THEN 1 ELSE 0 END FROM jobs "
+        f"WHERE status = 'queued' AND launched_at IS NULL AND executor = {mark} ORDER BY seq",
+        [TEAM_WAIT + "%", executor],
+    )
+
+
 def list_events(
     session: Session, job: Job, *, after: int | None = None, limit: int = 100, types: Sequence[str] = ()
 ) -> tuple[list[JobEvent], bool]:

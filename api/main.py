@@ -31,7 +31,7 @@ from api.dispatch_process import STATS_FILE, WAKE_FILE, DispatcherProcess, Share
 from api.dispatcher import Dispatcher, make_dispatcher
 from api.executors import Closeable, make_executor
 from api.observability import Metrics, RequestContext, RequestLoad
-from api.reader import make_reader
+from api.reader import QueuePlaces, make_reader
 from api.routes import dashboard, health, jobs, keys, tenants, webhooks
 from api.settings import Settings
 from api.streams import EVENTS, LOGS, EventWatch, SharedKeyStreams, Streams
@@ -226,6 +226,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
     app.state.settings = settings
     app.state.engine = engine
     app.state.job_reader = job_reader
+    app.state.queue_places = QueuePlaces(job_reader, settings.executor)
     app.state.job_writer = job_writer
     app.state.executor = executor
     app.state.dispatcher = wakes

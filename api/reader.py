@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sqlite3
+import time
 from collections import namedtuple
 from datetime import datetime
 from typing import Any, Protocol
@@ -36,6 +38,7 @@ from api.jobs import (
     JobRow,
     event_heads_statement,
     queue_position_statement,
+    queued_order_statement,
 )
 
 
@@ -60,8 +63,13 @@ class JobReader(Protocol):
     async def queue_position(self, job_id: str) -> int:
         """The job's place in the queue (`api.jobs.queue_position_statement`; 0: not waiting in it)."""
 
+    async def queued_order(self, executor: str) -> list[Any]:
+        """The jobs waiting in `executor`'s queue, in order (`api.jobs.queued_order_statement`)."""
+
     async def close(self) -> None: ...
 
+
+log = logging.getLogger(__name__)
 
 _COLUMNS = ", ".join(JOB_COLUMNS)
 _EVENT_COLUMNS = ", ".join(EVENT_COLUMNS)
@@ -125,6 +133,14 @@ def _sqlite_heads(execute: Any, job_ids: list[str]) -> dict[str, Any]:
     return heads
 
 
+def _sqlite_order(execute: Any, executor: str) -> list[Any]:
+    """`queued_order` run with `execute(sql, params) -> rows` on a SQLite connection."""
+    try:
+        return list(execute(*queued_order_statement(executor, "?")))
+    except sqlite3.OperationalError as exc:
+        raise DatabaseUnavailable(str(exc)) from exc
+
+
 def _sqlite_position(execute: Any, job_id: str) -> int:
     """`queue_position` run with `execute(sql, params) -> rows` on a SQLite connection."""
     try:
@@ -157,6 +173,9 @@ class InlineReader:
 
     async def queue_position(self, job_id: str) -> int:
         return self._run(_sqlite_position, job_id)
+
+    async def queued_order(self, executor: str) -> list[Any]:
+        return self._run(_sqlite_order, executor)
 
     def _run(self, run: Any, *args: Any) -> Any:
         """`run(execute, *args)` on one of the engine's connections."""
@@ -221,8 +240,12 @@ class SqliteReader:
         return _sqlite_heads(self._execute_inline, job_ids)
 
     async def queue_position(self, job_id: str) -> int:
-        # On the loop: a count on an index of the queued jobs ahead of it (0.13 ms for a thousand).
+        # On the loop: a count on an index of the queued jobs ahead of it (0.13 ms for a thousand; past
+        # QueuePlaces.LONG, it reads them all instead, off the loop, once a second at most).
         return _sqlite_position(self._execute_inline, job_id)
+
+    async def queued_order(self, executor: str) -> list[Any]:
+        return await run_in_threadpool(self._on_own_connection, _sqlite_order, executor)
 
     def _execute_inline(self, sql: str, params: list[Any]) -> list[Any]:
         """On the event loop, on the reader's connection (sqlite3.OperationalError if it cannot open)."""
@@ -406,6 +429,11 @@ class PostgresReader:
             )
         return int(position)
 
+    async def queued_order(self, executor: str) -> list[Any]:
+        self._bind()
+        async with self._list_slots:
+            return await self._execute(*queued_order_statement(executor, "%s"), self.list_timeout)
+
     async def _read(self, job_ids: list[str]) -> list[Any]:
         return await self._execute(self.STATEMENT, [job_ids], self.statement_timeout)
 
@@ -446,3 +474,68 @@ def make_reader(engine: Engine) -> JobReader:
     if database and database != ":memory:" and not database.startswith("file:"):
         return SqliteReader(database)
     return InlineReader(engine)
+
+
+class QueuePlaces:
+    """Places in the queue, for GET /jobs/{id} of a queued job. While the queue is short, each is counted
+    (`JobReader.queue_position`, exact). A count reads the jobs ahead: 15 ms with 20,000 queued on SQLite
+    (on the event loop), 10 on PostgreSQL. Past LONG jobs queued, the places of every queued job are worked
+    out from one read of them all (`queued_order`, 35-55 ms; on SQLite off the event loop), made at most
+    every SECONDS, and each GET looks its job's up. A GET does not wait for the read: it gets the places of
+    the last one, unless they are STALE_SECONDS old (a job polled once a minute). A job queued since the
+    read is behind every one in it."""
+
+    LONG = 1_000  # jobs queued: counted one by one up to this many
+    SECONDS = 1.0
+    STALE_SECONDS = 10.0
+
+    def __init__(self, reader: JobReader, executor: str) -> None:
+        self.reader = reader
+        self.executor = executor
+        self._long = False
+        self._places: dict[str, int] | None = None  # (None: none read)
+        self._free = 0  # jobs in the read not held back by their team's limits: each is ahead of all after
+        self._held: dict[str, int] = {}  # and the held ones, by tenant: ahead of their own team's only
+        self._read_at = -float("inf")  # (the places' time)
+        self._tried_at = -float("inf")  # (the last read's start, failed or not)
+        self._reading: asyncio.Task[None] | None = None
+
+    async def position(self, job_id: str, tenant: str, executor: str) -> int:
+        """The place of queued job `job_id` (of `tenant`, run by `executor`); 0: not waiting in the queue."""
+        if not self._long or executor != self.executor:
+            place = await self.reader.queue_position(job_id)
+            if place > self.LONG and executor == self.executor:
+                self._long = True
+            return place
+        now = time.monotonic()
+        if now - self._tried_at >= self.SECONDS and self._reading is None:
+            self._tried_at = now
+            self._reading = asyncio.create_task(self._read())
+        if self._reading is not None and (self._places is None or now - self._read_at >= self.STALE_SECONDS):
+            await asyncio.shield(self._reading)  # (one read for every request that waits for it)
+        if self._places is None:  # (the read failed: the count says why, a 503 if the database is away)
+            return await self.reader.queue_position(job_id)
+        found = self._places.get(job_id)
+        return found if found is not None else self._free + self._held.get(tenant, 0) + 1
+
+    async def _read(self) -> None:
+        try:
+            rows = await self.reader.queued_order(self.executor)
+        except Exception as error:  # (the places read before stay; the next try in SECONDS)
+            log.warning("could not read the queue for the places of its jobs: %s", error)
+            return
+        finally:
+            self._reading = None
+        places: dict[str, int] = {}
+        held: dict[str, int] = {}
+        free = 0
+        for job_id, tenant, is_held in rows:
+            if is_held:
+                held[tenant] = held.get(tenant, 0) + 1
+            else:
+                free += 1
+            places[job_id] = free + held.get(tenant, 0)
+        self._places, self._free, self._held = places, free, held
+        self._read_at = time.monotonic()
+        if len(rows) < self.LONG // 2:  # short again: counted one by one
+            self._long, self._places = False, None

@@ -114,7 +114,8 @@ class JobPublic(BaseModel):
         "keeps its place), every team's, as each team's limits allow (a job behind its team's limit waits "
         "and the next starts: `status_message` says so). Counted: itself and the jobs ahead of it but other "
         "teams' held back by their own limits (they start after it). Null for a job the platform holds "
-        "(Kueue: its quota decides; see `status_message`) and for any other status.",
+        "(Kueue: its quota decides; see `status_message`) and for any other status. With more than 1,000 "
+        "jobs queued it may be a second old.",
     )
     status_message: str | None
     model: str

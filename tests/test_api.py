@@ -419,6 +419,48 @@ def test_a_queued_job_shows_its_place_in_the_queue(client: TestClient, dataset: 
     assert places() == [None, None, 1, None]
 
 
+def test_a_long_queue_places_its_jobs_from_one_read_a_second(client: TestClient, dataset: Path) -> None:
+    """Past QueuePlaces.LONG jobs queued, a place is not counted for each GET (O(jobs ahead): 10 ms with
+    20,000) but looked up in one read of the queue, made at most every SECONDS: the same places, other
+    teams' held-back jobs left out as the count leaves them; a job queued since the read is last."""
+    places = client.app.state.queue_places  # type: ignore[attr-defined]
+    places.LONG = 4
+    reads: list[str] = []
+    read_queue = places.reader.queued_order
+
+    async def counted(executor: str) -> Any:
+        reads.append(executor)
+        return await read_queue(executor)
+
+    places.reader.queued_order = counted
+    ids = [client.post("/jobs", json=job_body(dataset)).json()["id"] for _ in range(6)]
+
+    def placed() -> list[int | None]:
+        return [client.get(f"/jobs/{job_id}").json()["queue_position"] for job_id in ids]
+
+    assert placed() == [1, 2, 3, 4, 5, 6]  # (counted; the fifth is past LONG: the sixth from a read)
+    assert reads == ["local"]
+    places.SECONDS = places.STALE_SECONDS = 0  # (a read for every GET, waited for)
+    _set(client, ids[0], status="starting", launched_at=datetime.now(UTC))
+    _set(client, ids[1], tenant="other", status_message="Waiting: 1 job of your team is running (limit 1).")
+    assert placed() == [None, 1, 1, 2, 3, 4] and len(reads) == 1 + 5
+    places.SECONDS = places.STALE_SECONDS = 60  # a read is used for a minute: a job queued since is last
+    ids.append(client.post("/jobs", json=job_body(dataset)).json()["id"])
+    assert placed()[-1] == 5 and len(reads) == 6
+    for job_id in ids[1:6]:
+        assert client.post(f"/jobs/{job_id}/cancel").status_code == 200
+    assert placed()[-1] == 5 and len(reads) == 6  # (the read of a minute ago)
+    # A read due but the last one not stale: the GET does not wait for it, the next one has its places.
+    places.SECONDS = 0
+    assert placed()[-1] == 5
+    deadline = time.monotonic() + 10
+    while len(reads) < 7 or places._reading is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert placed()[-1] == 1 and len(reads) == 7  # one job left: counted one by one again
+    assert placed()[-1] == 1 and len(reads) == 7
+
+
 def test_a_job_starts_from_the_weights_of_one_that_succeeded(client: TestClient, dataset: Path) -> None:
     tokenizer = dataset.parent / "tokenizer.model"
     first = client.post("/jobs", json=job_body(dataset, tokenizer_uri=str(tokenizer))).json()

@@ -239,7 +239,10 @@ async def get_job(job_id: str, request: Request) -> Response:
     if row is None:
         raise not_found(job_id)
     text = _rendered(row)
-    if row.status == JobStatus.queued and (position := await reader.queue_position(job_id)):
+    places = request.app.state.queue_places
+    if row.status == JobStatus.queued and (
+        position := await places.position(job_id, row.tenant, row.executor)
+    ):
         # (the first: a string in the JSON holds no such text, its quotes are escaped)
         text = text.replace('"queue_position":null', f'"queue_position":{position}', 1)
     return Response(text, media_type="application/json")
