@@ -186,6 +186,8 @@ class Dispatcher:
         query = sa_select(page.c.seq, page.c.launched_at, page.c.tenant, *uris).order_by(page.c.seq)
         rows = session.connection().execute(query).all()
         more = self._turn_page("queued", [row.seq for row in rows])
+        if rows and self._limits is None:  # (the tenants' prefixes, read before the CPU of the checks is)
+            self._limits = tenants.load(session)
         load: list[int] = []
         used = time.thread_time()
         for seq, launched_at, tenant, dataset, validation in rows:
