@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 from sqlalchemy import and_, bindparam, case, literal, or_
@@ -68,7 +68,7 @@ class Limits:
 LIMITS = ("max_active_jobs", "max_active_chips", "max_queued_jobs")  # (Limits' fields, Tenant's columns)
 # A tenant's own limit that is none at all, whatever the server's: what `"unlimited"` is stored as.
 UNLIMITED = -1
-ANYWHERE = "any"  # a tenant's own data prefixes that are none at all, whatever the server's
+ANYWHERE: Literal["any"] = "any"  # a tenant's own data prefixes that are none at all, whatever the server's
 
 
 def data_prefixes(row: Tenant | None, settings: Settings, tenant: str) -> tuple[str, ...] | None:

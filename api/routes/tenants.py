@@ -64,6 +64,12 @@ def _own(row: Tenant | None, field: str) -> int | Literal["unlimited"] | None:
     return "unlimited" if value == UNLIMITED else value
 
 
+def _own_prefixes(row: Tenant | None) -> list[str] | Literal["any"] | None:
+    """A tenant's own data prefixes as the API shows them."""
+    value = row.data_prefixes if row is not None else None
+    return ANYWHERE if value == ANYWHERE else value if isinstance(value, list) else None
+
+
 class TenantUsage(BaseModel):
     active_jobs: int = Field(description="Jobs starting, running or cancelling: what max_active_jobs counts.")
     queued_jobs: int = Field(description="Jobs waiting to start.")
@@ -113,7 +119,7 @@ class TenantPublic(BaseModel):
             ),
             chip_unit=chip_unit(settings),
             data_prefixes=list(prefixes) if prefixes is not None else None,
-            own_data_prefixes=row.data_prefixes if row else None,  # type: ignore[arg-type]
+            own_data_prefixes=_own_prefixes(row),
             shared_read_prefixes=settings.shared_read_prefixes,
             updated_at=as_utc(row.updated_at) if row else None,
             updated_by=row.updated_by if row else None,
