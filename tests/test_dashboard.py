@@ -878,6 +878,32 @@ def test_a_revoked_keys_stream_stops_and_asks_to_sign_in(
     expect(page.locator("#signin")).to_be_visible()
 
 
+def test_a_pages_form_is_sent_only_once_its_script_is_ready(
+    live_api: Callable[..., LiveApi], browser: Browser
+) -> None:
+    """The keys, teams and webhooks pages' forms are sent by their scripts. Until a page's script has run
+    (a slow machine) its submit button is disabled: clicked before, the browser sent the form itself, as a
+    GET of the page with the fields in its URL, and nothing said so (CI once clicked "Add endpoint" first,
+    and waited for an error that never showed)."""
+    api = live_api(dispatcher_enabled=False)
+    scriptless, scripted = browser.new_context(java_script_enabled=False), browser.new_context()
+    try:
+        for path, name in (
+            ("/ui/keys", "Create key"),
+            ("/ui/tenants", "Save limits"),
+            ("/ui/webhooks", "Add endpoint"),
+        ):
+            page = scriptless.new_page()
+            page.goto(api.url + path)
+            expect(page.get_by_role("button", name=name)).to_be_disabled()
+            page = scripted.new_page()
+            page.goto(api.url + path)
+            expect(page.get_by_role("button", name=name)).to_be_enabled()
+    finally:
+        scriptless.close()
+        scripted.close()
+
+
 def test_the_webhooks_page_adds_tests_disables_resends_and_deletes_an_endpoint(
     live_api: Callable[..., LiveApi], open_tab: Callable[[LiveApi, str], Tab]
 ) -> None:

@@ -129,6 +129,17 @@ export function button(text, label, onClick) {
   return node;
 }
 
+// A form handled by the page's script, never sent by the browser itself: its submit button is disabled in
+// the page's HTML until the handler is in place. (Clicked before the script had run, on a slow machine, the
+// browser sent the form as a GET of the page, its fields in the URL, and nothing said what happened.)
+export function onSubmit(form, handler) {
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    return handler(event);
+  });
+  for (const submit of form.querySelectorAll('button[type="submit"]')) submit.disabled = false;
+}
+
 // Shows a secret (an API key, a webhook's signing secret) in the page's #secret card, the one time it is given.
 export function showSecret(what, secret) {
   document.getElementById("secret-what").textContent = what;

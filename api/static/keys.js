@@ -1,5 +1,5 @@
 // The API keys page: GET /admin/keys, and create, rotate and revoke (admin keys only).
-import { api, button, el, minute as when, showError, showingErrors, showSecret } from "./common.js";
+import { api, button, el, minute as when, onSubmit, showError, showingErrors, showSecret } from "./common.js";
 
 const tbody = document.querySelector("#keys tbody");
 const error = document.getElementById("keys-error");
@@ -58,7 +58,7 @@ async function refresh() {
   }
 }
 
-document.getElementById("create").addEventListener("submit", (event) => {
+onSubmit(document.getElementById("create"), (event) => {
   event.preventDefault();
   const form = new FormData(event.target);
   const body = { tenant: form.get("tenant"), name: form.get("name"), admin: form.get("admin") === "on" };

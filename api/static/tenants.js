@@ -1,6 +1,6 @@
 // The teams page: GET /admin/tenants (and what each ran in 30 days, GET /usage), and each team's limits
 // and data prefixes set with PATCH /admin/tenants/{name}.
-import { api, button, el, formatNumber, minute } from "./common.js";
+import { api, button, el, formatNumber, minute, onSubmit } from "./common.js";
 
 const REFRESH_MS = 5000;
 // What each team ran in 30 days changes slowly, and its report reads every job of the window (0.3 s with
@@ -72,7 +72,7 @@ function prefixes(text) {
   return given.length === 1 && given[0] === "any" ? "any" : given;
 }
 
-form.addEventListener("submit", async (event) => {
+onSubmit(form, async (event) => {
   event.preventDefault();
   const data = new FormData(form);
   const limit = (name) => {

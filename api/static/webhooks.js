@@ -1,6 +1,6 @@
 // The webhooks page: GET /webhooks, and add, test, enable or disable and delete endpoints; an endpoint's
 // deliveries, a missed one sent again.
-import { api, button, el, minute as when, showError, showingErrors, showSecret } from "./common.js";
+import { api, button, el, minute as when, onSubmit, showError, showingErrors, showSecret } from "./common.js";
 
 const tbody = document.querySelector("#webhooks tbody");
 const deliveries = document.querySelector("#deliveries tbody");
@@ -115,7 +115,7 @@ async function refresh() {
   }
 }
 
-document.getElementById("create").addEventListener("submit", (event) => {
+onSubmit(document.getElementById("create"), (event) => {
   event.preventDefault();
   const form = new FormData(event.target);
   const body = { url: form.get("url"), events: form.getAll("events") };
