@@ -25,6 +25,7 @@ from worker.config import (
     JobSpec,
     Resources,
     WorkerConfig,
+    for_tenant,
 )
 
 GROUP = "jobset.x-k8s.io"
@@ -79,7 +80,7 @@ def label_value(value: str) -> str:
 def service_account(settings: Settings, tenant: str) -> str:
     """The Kubernetes service account `tenant`'s workers run as: TPUTUNE_K8S_WORKER_SERVICE_ACCOUNT, its
     `{tenant}` put in (api.validation.check_service_account refuses a team whose name cannot be one)."""
-    return settings.k8s_worker_service_account.replace("{tenant}", tenant)
+    return for_tenant(settings.k8s_worker_service_account, tenant)
 
 
 def labels(job: Job) -> dict[str, str]:

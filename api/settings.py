@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from worker.config import check_prefix
+from worker.config import check_prefix, for_tenant
 
 AUTO_WORKERS_MAX = 4  # TPUTUNE_WORKERS=0: a worker per core, up to this many
 # A Kubernetes object's name (a DNS-1123 subdomain), as a worker's service account must be.
@@ -316,7 +316,7 @@ class Settings(BaseSettings):
     @field_validator("k8s_worker_service_account")
     @classmethod
     def _service_account(cls, value: str) -> str:
-        if not SERVICE_ACCOUNT.fullmatch(value.replace("{tenant}", "team")):
+        if not SERVICE_ACCOUNT.fullmatch(for_tenant(value, "team")):
             raise ValueError(
                 "a Kubernetes service account name: lowercase letters, digits, '-' and '.', starting and "
                 "ending with a letter or digit, `{tenant}` standing for the job's team"

@@ -26,7 +26,7 @@ from api.models import Job, JobEvent, Tenant, utcnow
 from api.settings import Settings
 from api.states import ACTIVE, JobStatus
 from api.validation import held_chips, resource_chips
-from worker.config import Resources
+from worker.config import Resources, for_tenant
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def data_prefixes(row: Tenant | None, settings: Settings, tenant: str) -> tuple[
     if own == ANYWHERE:
         return None
     prefixes = own if own is not None else settings.tenant_data_prefixes
-    return tuple(prefix.replace("{tenant}", tenant) for prefix in prefixes) or None
+    return tuple(for_tenant(prefix, tenant) for prefix in prefixes) or None
 
 
 def load(session: Session) -> dict[str, Tenant]:

@@ -14,7 +14,7 @@ from api.errors import ApiError
 from api.jobset import service_account, tpu_request
 from api.models import job_spec
 from api.settings import SERVICE_ACCOUNT, Settings
-from worker.config import TINY_MODEL, JobSpec, Resources
+from worker.config import TENANT, TINY_MODEL, JobSpec, Resources, for_tenant
 
 if TYPE_CHECKING:
     from api.tenants import Limits
@@ -64,29 +64,27 @@ _O_PATH_DIRECTORY = (
 )
 
 
+# The places a job reads and writes, by the spec's field.
+URI_FIELDS = ("dataset_uri", "validation_uri", "output_uri", "base_checkpoint_uri", "tokenizer_uri")
+
+
 def output_roots(settings: Settings, tenant: str) -> list[str]:
     """The gs:// places of the jobs' own outputs (TPUTUNE_K8S_OUTPUT_BASE_URI), which a job reads only as
     `from_job`: the base, or with `{tenant}` in it the team's own and, where the teams' lie under one path
     (gs://outputs/tputune/{tenant}), that path."""
     base = (settings.k8s_output_base_uri or "").rstrip("/")
-    if not base or "{tenant}" not in base:
+    if not base or TENANT not in base:
         return [base] if base else []
-    head = base[: base.index("{tenant}")]
+    head = base[: base.index(TENANT)]
     shared = [head.rstrip("/")] if head.endswith("/") and head != "gs://" else []
-    return [base.replace("{tenant}", tenant), *shared]
+    return [for_tenant(base, tenant), *shared]
 
 
 def check_local_paths(spec: JobSpec, settings: Settings, tenant: str) -> dict[str, str]:
     """ApiError if a path of `spec` is not one this server's jobs may use; returns the local ones as the
     kernel resolves them, by field."""
     resolved: dict[str, str] = {}
-    fields = {
-        "dataset_uri": spec.dataset_uri,
-        "validation_uri": spec.validation_uri,
-        "output_uri": spec.output_uri,
-        "base_checkpoint_uri": spec.base_checkpoint_uri,
-        "tokenizer_uri": spec.tokenizer_uri,
-    }
+    fields = {field: getattr(spec, field) for field in URI_FIELDS}
     roots = settings.data_roots
     outputs = output_roots(settings, tenant)
     for field, uri in fields.items():
@@ -209,9 +207,6 @@ def job_uris(spec: dict[str, Any]) -> dict[str, str]:
     return {field: uri for field, uri in uris.items() if uri is not None}
 
 
-URI_FIELDS = ("dataset_uri", "validation_uri", "base_checkpoint_uri", "tokenizer_uri", "output_uri")
-
-
 def check_data_scope(
     uris: dict[str, str],
     settings: Settings,
@@ -258,7 +253,7 @@ def _real_prefix(prefix: str) -> str:
 
 def check_service_account(settings: Settings, tenant: str) -> None:
     """On Kubernetes with a service account for each team (`{tenant}`), the team's must be a valid name."""
-    if settings.executor == "kubernetes" and "{tenant}" in settings.k8s_worker_service_account:
+    if settings.executor == "kubernetes" and TENANT in settings.k8s_worker_service_account:
         name = service_account(settings, tenant)
         if not SERVICE_ACCOUNT.fullmatch(name):
             raise ApiError(

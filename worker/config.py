@@ -127,9 +127,7 @@ def check_uri(value: str) -> str:
                 "invalid_uri",
                 "a gs:// URI needs a bucket and an object path, like gs://bucket/data/train.jsonl",
             )
-        check_bucket(bucket)
-        if {".", ".."} & set(path.split("/")):
-            raise PydanticCustomError("path_traversal", "a gs:// path must not contain '.' or '..' segments")
+        _check_segments(value, "path")
         return value
     if "://" in value or value.startswith("file:"):
         scheme = value.split(":", 1)[0]
@@ -140,36 +138,49 @@ def check_uri(value: str) -> str:
         )
     if not value.startswith("/"):
         raise PydanticCustomError("invalid_uri", "a local path must be absolute, like /data/train.jsonl")
-    if ".." in value.split("/"):
-        raise PydanticCustomError("path_traversal", "a local path must not contain '..'")
+    _check_segments(value, "path")
     return posixpath.normpath(value)
+
+
+TENANT = "{tenant}"  # in a prefix, a service account's name or the output base: the job's team's name
+
+
+def for_tenant(template: str, tenant: str) -> str:
+    """`template` (a data prefix, the workers' service account, the output base) for `tenant`."""
+    return template.replace(TENANT, tenant)
 
 
 def check_prefix(value: str) -> str:
     """A place jobs may read or write under: gs://bucket[/path] or an absolute local directory, `{tenant}`
     standing for a team's name (a whole segment or part of one: gs://ml-{tenant}/data); without its
-    trailing '/'. What is under it: the place itself and what follows it after a '/'."""
+    trailing '/'. What is under it: the place itself and what follows it after a '/'. Judged as a URI is
+    (check_uri), with any team's name in it."""
     check_text(value)
-    sample = value.replace("{tenant}", "team")
+    sample = for_tenant(value, "team")
     if "{" in sample or "}" in sample:
         raise PydanticCustomError(
             "invalid_prefix", "only {tenant} may stand for something in a prefix, like gs://data/{tenant}"
         )
-    if sample.startswith("gs://"):
-        bucket, _, path = sample[len("gs://") :].partition("/")
-        check_bucket(bucket)
-        if {".", ".."} & set(path.split("/")):
-            raise PydanticCustomError(
-                "path_traversal", "a gs:// prefix must not contain '.' or '..' segments"
-            )
-        return value.rstrip("/")
-    if not sample.startswith("/"):
+    if not sample.startswith(("gs://", "/")):
         raise PydanticCustomError(
             "invalid_prefix", "a prefix is gs://bucket/path or an absolute local directory, like /data/team"
         )
-    if ".." in sample.split("/"):
-        raise PydanticCustomError("path_traversal", "a local prefix must not contain '..'")
-    return posixpath.normpath(value)
+    _check_segments(sample, "prefix")
+    return value.rstrip("/") if sample.startswith("gs://") else posixpath.normpath(value)
+
+
+def _check_segments(value: str, what: str) -> None:
+    """The bucket of gs:// `value`, and no '.' or '..' segment in it (nor '..' in a local one): no path
+    reaches another place through them (the pods read buckets through GCS FUSE, where '..' goes up)."""
+    if value.startswith("gs://"):
+        bucket, _, path = value[len("gs://") :].partition("/")
+        check_bucket(bucket)
+        if {".", ".."} & set(path.split("/")):
+            raise PydanticCustomError(
+                "path_traversal", f"a gs:// {what} must not contain '.' or '..' segments"
+            )
+    elif ".." in value.split("/"):
+        raise PydanticCustomError("path_traversal", f"a local {what} must not contain '..'")
 
 
 def check_bucket(bucket: str) -> None:

@@ -54,8 +54,7 @@ function askToSignIn() {
   ]);
   document.querySelector("main").prepend(form);
   input.focus();
-  form.addEventListener("submit", async (event) => {
-    event.preventDefault();
+  onSubmit(form, async () => {
     const error = document.getElementById("signin-error");
     try {
       await api("/auth/session", {
@@ -121,7 +120,6 @@ export async function showingErrors(errorNode, action) {
   }
 }
 
-// Creates an element with text content (never HTML, so job names and samples cannot inject markup).
 // A button that says what it does to a screen reader (`label`), e.g. "Revoke key_1".
 export function button(text, label, onClick) {
   const node = el("button", { text, attrs: { type: "button", "aria-label": label } });
@@ -147,6 +145,7 @@ export function showSecret(what, secret) {
   document.getElementById("secret").hidden = false;
 }
 
+// Creates an element with text content (never HTML, so job names and samples cannot inject markup).
 export function el(tag, { text, className, attrs } = {}, children = []) {
   const node = document.createElement(tag);
   if (text !== undefined && text !== null) node.textContent = String(text);

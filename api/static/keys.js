@@ -59,7 +59,6 @@ async function refresh() {
 }
 
 onSubmit(document.getElementById("create"), (event) => {
-  event.preventDefault();
   const form = new FormData(event.target);
   const body = { tenant: form.get("tenant"), name: form.get("name"), admin: form.get("admin") === "on" };
   if (form.get("days")) body.expires_in_days = Number(form.get("days"));

@@ -73,7 +73,6 @@ function prefixes(text) {
 }
 
 onSubmit(form, async (event) => {
-  event.preventDefault();
   const data = new FormData(form);
   const limit = (name) => {
     const value = data.get(name).trim();

@@ -116,7 +116,6 @@ async function refresh() {
 }
 
 onSubmit(document.getElementById("create"), (event) => {
-  event.preventDefault();
   const form = new FormData(event.target);
   const body = { url: form.get("url"), events: form.getAll("events") };
   if (form.get("description")) body.description = form.get("description");
