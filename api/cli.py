@@ -542,6 +542,51 @@ def usage(args: argparse.Namespace) -> int:
     return 0
 
 
+def _change(value: Any) -> str:
+    """A value in an audit line: JSON, short."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 80 else text[:79] + "…"
+
+
+def audit_line(event: dict[str, Any]) -> str:
+    """One audit event: when, what, whose, by whom, and what changed."""
+    actor = event["actor"]
+    by = f"{actor['who']} ({actor['tenant']})" if actor["who"] else "the single user"
+    changes = []
+    for field, value in event["details"].items():
+        if isinstance(value, dict) and set(value) == {"from", "to"}:
+            changes.append(f"{field} {_change(value['from'])} -> {_change(value['to'])}")
+        else:
+            changes.append(f"{field} {_change(value)}")
+    stamp = _time(event["at"]).strftime("%Y-%m-%d %H:%M:%S")
+    line = f"{stamp}  {event['action']:<22} {event['tenant']:<16} {event['target']:<18} by {by}"
+    return line + ("\n    " + "; ".join(changes) if changes else "")
+
+
+def audit(args: argparse.Namespace) -> int:
+    shown, after = 0, None
+    with _client(args) as client:
+        while shown < args.limit:
+            page = client.audit(
+                args.tenant,
+                args.action,
+                args.actor,
+                args.target,
+                args.since,
+                after,
+                min(100, args.limit - shown),
+            )
+            for event in page["data"]:
+                print(audit_line(event))
+            shown += len(page["data"])
+            if not page["has_more"]:
+                break
+            after = page["next_after"]
+    if not shown:
+        print("no audit events")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="tputune", description="Fine-tune Gemma 3 with JAX on TPUs.")
     root.add_argument("--api-url", help="API base URL (env TPUTUNE_API_URL, default http://127.0.0.1:8000)")
@@ -748,6 +793,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--until", help="until (ISO 8601; default: now)")
     p.add_argument("--tenant", help="only this tenant's (an admin key sees every tenant's)")
     p.set_defaults(func=usage)
+
+    p = commands.add_parser(
+        "audit", help="who changed keys, teams' limits and webhooks, newest first (your own team's)"
+    )
+    p.add_argument("--tenant", help="only this team's (an admin key sees every team's)")
+    p.add_argument(
+        "--action", action="append", help="only this action (key.created, tenant.updated, ...); repeatable"
+    )
+    p.add_argument("--actor", help="only what this key did (its id, or 'admin')")
+    p.add_argument("--target", help="only about this key, team or webhook endpoint")
+    p.add_argument("--since", help="from (ISO 8601, e.g. 2026-11-01)")
+    p.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
+    p.set_defaults(func=audit)
 
     p = commands.add_parser("demo", help="fine-tune Gemma 3 270M on generated stories, end to end")
     p.add_argument("--port", type=int, default=8765)

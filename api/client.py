@@ -257,6 +257,31 @@ class Client:
         }
         return self._request("GET", "/usage", params=params)
 
+    def audit(
+        self,
+        tenant: str | None = None,
+        actions: list[str] | None = None,
+        actor: str | None = None,
+        target: str | None = None,
+        since: str | None = None,
+        after: int | None = None,
+        limit: int = 20,
+    ) -> dict[str, Any]:
+        """A page of the audit log, newest first: who changed keys, teams' limits and webhooks (a tenant's
+        key: its own team's). Pass `next_after` as `after` for the next page."""
+        params: dict[str, Any] = {"limit": limit}
+        for name, value in (
+            ("tenant", tenant),
+            ("action", actions),
+            ("actor", actor),
+            ("target", target),
+            ("since", since),
+            ("after", after),
+        ):
+            if value:
+                params[name] = value
+        return self._request("GET", "/audit", params=params)
+
     def follow_events(self, job_id: str, after: int | None = None) -> Iterator[dict[str, Any]]:
         """Events as they happen (Server-Sent Events), until the job ends; reconnects and resumes, also
         after a 429 (the server or this key follows as many streams as it may) or 503, when Retry-After

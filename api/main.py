@@ -32,7 +32,7 @@ from api.dispatcher import Dispatcher, make_dispatcher
 from api.executors import Closeable, make_executor
 from api.observability import Metrics, RequestContext, RequestLoad
 from api.reader import QueuePlaces, make_reader
-from api.routes import dashboard, health, jobs, keys, tenants, webhooks
+from api.routes import audit, dashboard, health, jobs, keys, tenants, webhooks
 from api.settings import Settings
 from api.streams import EVENTS, LOGS, EventWatch, SharedKeyStreams, Streams
 from api.tenants import LimitsCache
@@ -242,6 +242,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
     app.include_router(keys.router)
     app.include_router(tenants.router)
     app.include_router(webhooks.router)
+    app.include_router(audit.router)
     app.include_router(dashboard.router)
     serve_directly(app, jobs.create_job, jobs.get_job, health.healthz)
     app.add_middleware(DirectLane, fastapi_app=app)

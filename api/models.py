@@ -254,6 +254,28 @@ class WebhookCursor(SQLModel, table=True):
     updated_at: datetime = Field(default_factory=utcnow, sa_type=DateTime(timezone=True), nullable=False)
 
 
+class AuditEvent(SQLModel, table=True):
+    """A change to who may do what, and to what a team may use: a key made, rotated or revoked, a team's
+    limits or data prefixes set, a webhook endpoint added, changed or deleted; who did it, when, and what
+    changed (never a secret). Written in the change's own transaction (api.audit.record): no change
+    without its event. Read with GET /audit."""
+
+    __tablename__ = "audit_events"
+    __table_args__ = (Index("ix_audit_events_tenant_id", "tenant", "id"),)
+
+    id: int | None = Field(
+        default=None, sa_column=Column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    )
+    at: datetime = Field(default_factory=utcnow, sa_type=DateTime(timezone=True), nullable=False)
+    action: str = Field(max_length=32)  # api.audit.ACTIONS
+    tenant: str = Field(max_length=64)  # the team whose key, limits or endpoint it was ("*": every team's)
+    target: str = Field(max_length=64)  # the key's or endpoint's id, or the team's name
+    actor_key_id: str = Field(max_length=32)  # the caller's key: an id, "admin" or "anonymous" (Principal)
+    actor_tenant: str = Field(max_length=64)
+    request_id: str | None = Field(default=None, max_length=64)
+    details: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+
+
 # A job's spec never changes after it is created: validate it once per process, not on every read. A few
 # thousand at most: each is ~10 objects the garbage collector walks on every full collection, and with
 # 20,000 cached a full collection paused the server for ~130 ms (p99 of POST /jobs at 64 clients).

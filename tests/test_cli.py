@@ -404,6 +404,33 @@ def test_keys_commands(live_api, capsys) -> None:  # type: ignore[no-untyped-def
     code, _, err = run(api, capsys, "--api-key", key, "list")
     assert code == 3 and "(invalid_api_key)" in err
 
+    # The audit log: newest first, who did it, what changed; a team's key sees its own team's.
+    code, out, _ = run(api, capsys, "--api-key", "the-admin-key-123", "audit")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split()[2:5] == ["key.revoked", "t1", key_id]
+    assert lines[0].endswith("by the admin (default)") and lines[1].strip().startswith(
+        'name "ci"; prefix "tpt_'
+    )
+    actions = [line.split()[2] for line in lines if not line.startswith(" ")]
+    assert actions == [
+        "key.revoked",
+        "key.created",
+        "key.rotated",
+        "key.created",
+        "key.created",
+        "key.created",
+    ]
+    code, out, _ = run(api, capsys, "--api-key", "the-admin-key-123", "audit", "--action", "key.rotated")
+    assert f"key.rotated            t1               {month_id}" in out and "new_key_id" in out
+    code, out, _ = run(
+        api, capsys, "--api-key", "the-admin-key-123", "audit", "--tenant", "ops", "--limit", "1"
+    )
+    assert [line.split()[3] for line in out.splitlines() if not line.startswith(" ")] == ["ops"]
+    code, out, _ = run(api, capsys, "--api-key", soon, "audit")
+    assert code == 0 and "ops" not in out and out.count("key.created") == 3
+    code, _, err = run(api, capsys, "--api-key", soon, "audit", "--tenant", "ops")
+    assert code != 0 and "(admin_only)" in err
+
 
 def test_list_pages_and_the_admin_sees_every_tenant(live_api, dataset: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     api = live_api(admin_key="the-admin-key-123", dispatcher_enabled=False)

@@ -63,7 +63,8 @@ def test_root_redirects_and_pages_are_served(client: TestClient) -> None:
     assert root.status_code == 307 and root.headers["location"] == "/ui/"
     assert client.get("/ui", follow_redirects=False).headers["location"].endswith("/ui/")
     pages = (("/ui/", "jobs.js"), ("/ui/jobs/ft-anything", "job.js"), ("/ui/keys", "keys.js"))
-    for path, script in (*pages, ("/ui/tenants", "tenants.js"), ("/ui/webhooks", "webhooks.js")):
+    more = (("/ui/tenants", "tenants.js"), ("/ui/webhooks", "webhooks.js"), ("/ui/audit", "audit.js"))
+    for path, script in (*pages, *more):
         page = client.get(path)
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert f'src="/ui/static/{script}"' in page.text
@@ -881,9 +882,9 @@ def test_a_revoked_keys_stream_stops_and_asks_to_sign_in(
 def test_a_pages_form_is_sent_only_once_its_script_is_ready(
     live_api: Callable[..., LiveApi], browser: Browser
 ) -> None:
-    """The keys, teams and webhooks pages' forms are sent by their scripts. Until a page's script has run
-    (a slow machine) its submit button is disabled: clicked before, the browser sent the form itself, as a
-    GET of the page with the fields in its URL, and nothing said so (CI once clicked "Add endpoint" first,
+    """The keys, teams, webhooks and audit pages' forms are sent by their scripts. Until a page's script has
+    run (a slow machine) its submit button is disabled: clicked before, the browser sent the form itself, as
+    a GET of the page with the fields in its URL, and nothing said so (CI once clicked "Add endpoint" first,
     and waited for an error that never showed)."""
     api = live_api(dispatcher_enabled=False)
     scriptless, scripted = browser.new_context(java_script_enabled=False), browser.new_context()
@@ -892,6 +893,7 @@ def test_a_pages_form_is_sent_only_once_its_script_is_ready(
             ("/ui/keys", "Create key"),
             ("/ui/tenants", "Save limits"),
             ("/ui/webhooks", "Add endpoint"),
+            ("/ui/audit", "Show"),
         ):
             page = scriptless.new_page()
             page.goto(api.url + path)
@@ -973,3 +975,53 @@ def test_the_webhooks_page_adds_tests_disables_resends_and_deletes_an_endpoint(
         tab.assert_clean()
     finally:
         receiver.close()
+
+
+def test_the_audit_page_shows_who_changed_what_filters_and_pages(
+    live_api: Callable[..., LiveApi], open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    api = live_api(dispatcher_enabled=False, admin_key=ADMIN)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    with api.client() as http:
+        research = http.post("/admin/keys", json={"tenant": "research", "name": "ci"}, headers=admin).json()
+        for value in range(1, 56):  # more than a page (50)
+            answer = http.patch("/admin/tenants/vision", json={"max_queued_jobs": value}, headers=admin)
+            assert answer.status_code == 200
+        http.patch("/admin/tenants/research", json={"max_active_jobs": "unlimited"}, headers=admin)
+    tab = open_tab(api, "/ui/")
+    page = sign_in(tab.page, ADMIN)
+    page.get_by_role("link", name="Audit log").click()
+    expect(page).to_have_url(f"{api.url}/ui/audit")
+    tab.errors.clear()  # (the jobs page's 401 before signing in)
+    rows = page.locator("#audit tbody tr")
+    expect(rows).to_have_count(50)
+    newest = rows.first.locator("td")
+    expect(newest.nth(1)).to_have_text("tenant.updated")
+    expect(newest.nth(2)).to_have_text("research")
+    expect(newest.nth(4)).to_have_text("the admin (default)")
+    expect(newest.nth(5)).to_have_text('max_active_jobs: null → "unlimited"')
+    page.get_by_role("button", name="Older").click()
+    expect(rows).to_have_count(57)
+    expect(page.get_by_role("button", name="Older")).to_be_hidden()
+    oldest = rows.last.locator("td")
+    expect(oldest.nth(1)).to_have_text("key.created")
+    expect(oldest.nth(3)).to_have_text(research["id"])
+    expect(oldest.nth(5)).to_contain_text('prefix: "tpt_')
+
+    page.get_by_label("Team").fill("research")
+    page.get_by_role("button", name="Show").click()
+    expect(rows).to_have_count(2)
+    page.get_by_label("Action").select_option("key.created")
+    page.get_by_role("button", name="Show").click()
+    expect(rows).to_have_count(1)
+    screenshot(page, "audit")
+    tab.assert_clean()
+
+    # A team's key sees its own team's, and the API's sentence for another's.
+    member = sign_in(open_tab(api, "/ui/audit").page, research["key"])
+    expect(member.locator("#audit tbody tr")).to_have_count(2)
+    member.get_by_label("Team").fill("vision")
+    member.get_by_role("button", name="Show").click()
+    expect(member.locator("#audit-error")).to_contain_text(
+        "Only an admin key sees another tenant's audit events"
+    )

@@ -30,6 +30,7 @@ TABLES = {
     "webhooks",
     "webhook_deliveries",
     "webhook_cursor",
+    "audit_events",
 }
 
 

@@ -53,6 +53,12 @@ def webhooks_page() -> FileResponse:
     return FileResponse(STATIC_DIR / "webhooks.html", headers=_HEADERS)
 
 
+@router.get("/ui/audit")
+def audit_page() -> FileResponse:
+    """The audit log: who changed keys, teams' limits and webhooks (a team's key: its own team's)."""
+    return FileResponse(STATIC_DIR / "audit.html", headers=_HEADERS)
+
+
 @router.get("/ui/jobs/{job_id}")
 def job_page(job_id: str) -> FileResponse:
     """One page for every id: the script reads the id from the URL and shows the API's 404 sentence."""

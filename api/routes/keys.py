@@ -11,6 +11,7 @@ from fastapi import APIRouter, Body, Query, Request, Response
 from pydantic import BaseModel, Field
 from sqlmodel import Session, col, select
 
+from api import audit
 from api.auth import COOKIE_NAME, TENANT_NAME, admin_keys_working, new_api_key
 from api.deps import AdminDep, SessionDep, SettingsDep, json_response
 from api.errors import ApiError
@@ -142,6 +143,16 @@ def _new_key(tenant: str, name: str, days: int | None, admin: bool) -> tuple[Api
     return row, plaintext
 
 
+def _audited(row: ApiKey) -> dict[str, object]:
+    """What the audit log keeps of a key (never its secret or hash)."""
+    return {
+        "name": row.name,
+        "prefix": row.prefix,
+        "admin": row.admin,
+        "expires_at": audit.when(row.expires_at),
+    }
+
+
 def _key(session: Session, key_id: str) -> ApiKey:
     """The key with this id, or a 404."""
     row = session.get(ApiKey, key_id)
@@ -155,10 +166,11 @@ def _key(session: Session, key_id: str) -> ApiKey:
 @router.post(
     "/admin/keys", status_code=201, response_model=KeyCreated, responses=_admin_errors, summary="Create a key"
 )
-def create_key(body: KeyCreate, session: SessionDep, settings: SettingsDep, _admin: AdminDep) -> Response:
+def create_key(body: KeyCreate, session: SessionDep, settings: SettingsDep, admin: AdminDep) -> Response:
     days = _lifetime(body.expires_in_days, settings.key_max_days)
     row, plaintext = _new_key(body.tenant, body.name, days, body.admin)
     session.add(row)
+    audit.record(session, admin, "key.created", row.tenant, row.id, _audited(row))
     session.commit()
     return json_response(KeyCreated(**KeyPublic.of(row).model_dump(), key=plaintext), 201)
 
@@ -179,7 +191,7 @@ def rotate_key(
     request: Request,
     session: SessionDep,
     settings: SettingsDep,
-    _admin: AdminDep,
+    admin: AdminDep,
     body: Annotated[KeyRotate | None, Body()] = None,
 ) -> Response:
     """The old key stops working after `grace_seconds` (at once: 0), or at its own expiry if sooner; the
@@ -200,6 +212,13 @@ def rotate_key(
     stops = row.created_at + timedelta(seconds=body.grace_seconds)
     old.expires_at = stops if expires is None else min(expires, stops)
     session.add_all([row, old])
+    details = {
+        **_audited(old),  # (its expiry: the new one, when it stops)
+        "new_key_id": row.id,
+        "new_prefix": row.prefix,
+        "new_expires_at": audit.when(row.expires_at),
+    }
+    audit.record(session, admin, "key.rotated", old.tenant, old.id, details)
     session.commit()
     # Every process of the server forgets its key cache (the old key's new expiry holds at once) and
     # rechecks its streams' keys; with no grace the old key's streams end now. (Other replicas: when it
@@ -244,7 +263,7 @@ def list_keys(
     summary="Revoke a key",
 )
 def revoke_key(
-    key_id: str, request: Request, session: SessionDep, settings: SettingsDep, _admin: AdminDep
+    key_id: str, request: Request, session: SessionDep, settings: SettingsDep, admin: AdminDep
 ) -> Response:
     """Revoke it (at once, on every replica within seconds). Without TPUTUNE_ADMIN_KEY (the bootstrap key
     retired, TPUTUNE_REQUIRE_API_KEYS), the last admin key that works is not revoked: keys could no longer
@@ -260,6 +279,7 @@ def revoke_key(
     if row.revoked_at is None:
         row.revoked_at = utcnow()
         session.add(row)
+        audit.record(session, admin, "key.revoked", row.tenant, row.id, _audited(row))
         session.commit()
     request.app.state.auth.forget()
     # Its streams end, here and in the server's other processes (other replicas: at their next recheck).

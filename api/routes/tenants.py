@@ -20,6 +20,7 @@ from pydantic_core import PydanticCustomError
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, select
 
+from api import audit
 from api.auth import TENANT_NAME
 from api.deps import LimitsAdminDep, PrincipalDep, SessionDep, SettingsDep, json_response, own_tenant_only
 from api.errors import ApiError
@@ -68,6 +69,11 @@ def _own_prefixes(row: Tenant | None) -> list[str] | Literal["any"] | None:
     """A tenant's own data prefixes as the API shows them."""
     value = row.data_prefixes if row is not None else None
     return ANYWHERE if value == ANYWHERE else value if isinstance(value, list) else None
+
+
+def _shown(row: Tenant, field: str) -> Any:
+    """A tenant's own limit or data prefixes, as the API (and the audit log) shows them."""
+    return _own_prefixes(row) if field == "data_prefixes" else _own(row, field)
 
 
 class TenantUsage(BaseModel):
@@ -278,10 +284,13 @@ def set_tenant_limits(
     for attempt in range(2):
         if row is None:
             row = Tenant(name=name)
+        before = {field: _shown(row, field) for field in changes}
         for field, value in changes.items():
             setattr(row, field, value)
         row.updated_at, row.updated_by = utcnow(), admin.who
         session.add(row)
+        details = {field: {"from": before[field], "to": _shown(row, field)} for field in changes}
+        audit.record(session, admin, "tenant.updated", name, name, details)
         try:
             session.commit()
             break
@@ -320,7 +329,7 @@ class UsageReport(BaseModel):
 USAGE_DAYS = 30  # the window when no `since` is given
 
 
-def _utc(value: datetime, param: str) -> datetime:
+def query_time(value: datetime, param: str) -> datetime:
     """A query's time in UTC (a time without a zone is UTC)."""
     try:
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
@@ -358,9 +367,9 @@ def usage_report(
     and `until`, the chip-hours they held then, and the tokens they trained on."""
     scope = principal.scope
     own_tenant_only(tenant, scope, "usage")
-    end = _utc(until, "until") if until is not None else utcnow()
+    end = query_time(until, "until") if until is not None else utcnow()
     if since is not None:
-        start = _utc(since, "since")
+        start = query_time(since, "since")
     else:
         try:
             start = end - timedelta(days=USAGE_DAYS)

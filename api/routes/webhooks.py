@@ -10,6 +10,7 @@ from fastapi import APIRouter, Path, Query, Response
 from pydantic import BaseModel, Field
 from sqlmodel import Session, col, func, select
 
+from api import audit
 from api import webhooks as service
 from api.auth import TENANT_NAME
 from api.deps import PrincipalDep, SessionDep, SettingsDep, TenantDep, json_response, own_tenant_only
@@ -178,6 +179,17 @@ class DeliveryPage(BaseModel):
     next_after: int | None = Field(description="Pass as `after` to get the next (older) page.")
 
 
+def _audited(row: Webhook) -> dict[str, Any]:
+    """What the audit log keeps of an endpoint: where it posts without the path or query (which can hold a
+    token), never its secret."""
+    return {
+        "url": audit.where(row.url),
+        "events": list(row.events),
+        "description": row.description,
+        "enabled": row.disabled_at is None,
+    }
+
+
 def _webhook(session: Session, scope: str | None, webhook_id: str) -> Webhook:
     row = session.get(Webhook, webhook_id)
     if row is None or (scope is not None and row.tenant != scope):
@@ -221,6 +233,7 @@ def create_webhook(
         created_by=principal.who,
     )
     session.add(row)
+    audit.record(session, principal, "webhook.created", tenant, row.id, _audited(row))
     session.commit()
     return json_response(WebhookCreated(**WebhookPublic.of(row).model_dump(), secret=row.secret), 201)
 
@@ -262,12 +275,12 @@ def update_webhook(
     body: WebhookUpdate,
     session: SessionDep,
     settings: SettingsDep,
-    scope: TenantDep,
     principal: PrincipalDep,
 ) -> Response:
     """Its URL, events, description, or whether it is sent to: `{"enabled": true}` after fixing an
     endpoint the server disabled (send it a test first: a disabled endpoint is still sent its tests)."""
-    row = _webhook(session, scope, webhook_id)
+    row = _webhook(session, principal.scope, webhook_id)
+    before, old_url = _audited(row), row.url
     if body.url is not None:
         row.url = service.check_url(body.url, settings)
     if body.events is not None:
@@ -281,6 +294,14 @@ def update_webhook(
         reason = f"Disabled{by}; enable it with PATCH /webhooks/{row.id}."
         service.disable(session, row, reason)
     session.add(row)
+    after = _audited(row)
+    changed = {
+        field: {"from": before[field], "to": after[field]}
+        for field in after
+        if before[field] != after[field] or (field == "url" and row.url != old_url)  # (its path, unshown)
+    }
+    if changed:
+        audit.record(session, principal, "webhook.updated", row.tenant, row.id, changed)
     session.commit()
     return json_response(WebhookPublic.of(row))
 
@@ -292,17 +313,19 @@ def update_webhook(
     responses=_not_found,
 )
 def rotate_secret(
-    webhook_id: str, session: SessionDep, scope: TenantDep, body: SecretRotation | None = None
+    webhook_id: str, session: SessionDep, principal: PrincipalDep, body: SecretRotation | None = None
 ) -> Response:
     """A new secret, shown only in this answer. For `old_secret_hours` (24) each delivery carries two
     signatures, with the new secret and the old one (`webhook-signature: v1,<new> v1,<old>`): a receiver
     checking either goes on working while it is given the new secret."""
-    row = _webhook(session, scope, webhook_id)
+    row = _webhook(session, principal.scope, webhook_id)
     hours = (body or SecretRotation()).old_secret_hours
     row.old_secret = row.secret if hours else None
     row.old_secret_until = utcnow() + timedelta(hours=hours) if hours else None
     row.secret = service.new_secret()
     session.add(row)
+    details = {"old_secret_until": audit.when(row.old_secret_until)}
+    audit.record(session, principal, "webhook.secret_rotated", row.tenant, row.id, details)
     session.commit()
     return json_response(WebhookCreated(**WebhookPublic.of(row).model_dump(), secret=row.secret))
 
@@ -310,11 +333,12 @@ def rotate_secret(
 @router.delete(
     "/{webhook_id}", response_model=WebhookPublic, summary="Delete a webhook endpoint", responses=_not_found
 )
-def delete_webhook(webhook_id: str, session: SessionDep, scope: TenantDep) -> Response:
+def delete_webhook(webhook_id: str, session: SessionDep, principal: PrincipalDep) -> Response:
     """Nothing more is sent to it, and its deliveries are forgotten."""
-    row = _webhook(session, scope, webhook_id)
+    row = _webhook(session, principal.scope, webhook_id)
     answer = WebhookPublic.of(row)
     session.delete(row)
+    audit.record(session, principal, "webhook.deleted", row.tenant, row.id, _audited(row))
     session.commit()
     return json_response(answer)
 
