@@ -7,17 +7,21 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text, update
 from sqlalchemy.exc import OperationalError
 from sqlmodel import Session, col, select
 
 from api.auth import COOKIE_NAME, NO_ADMIN_KEY, Authenticator, SharedBuckets
+from api.deps import _Caller
 from api.main import create_app
 from api.models import ApiKey, as_utc
+from api.routes import audit, health, jobs, keys, tenants, webhooks
 from api.settings import Settings
 
 ADMIN = "admin-secret-0123456789"
@@ -294,6 +298,31 @@ def test_rate_limit(make_settings: Callable[..., Settings]) -> None:
         assert int(limited.headers["retry-after"]) >= 1
         other = make_key(client, "beta")
         assert client.get("/jobs", headers=bearer(other)).status_code == 200
+
+
+def test_each_request_spends_one_token_of_its_keys_rate(make_settings: Callable[..., Settings]) -> None:
+    """A route that asked for the caller twice (its tenant, and who it is) spent two of the key's tokens:
+    PATCH /webhooks/{id} did. No route asks twice: a burst of three is three requests."""
+    settings = make_settings(
+        dispatcher_enabled=False, admin_key=ADMIN, rate_limit_per_second=0.001, rate_limit_burst=3
+    )
+    app = create_app(settings)
+
+    def callers(dependant: Any) -> int:
+        return isinstance(dependant.call, _Caller) + sum(callers(sub) for sub in dependant.dependencies)
+
+    routers = (audit.router, health.router, jobs.router, keys.router, tenants.router, webhooks.router)
+    routes = [route for router in routers for route in router.routes if isinstance(route, APIRoute)]
+    assert {route.path: callers(route.dependant) for route in routes if callers(route.dependant) > 1} == {}
+    assert sum(callers(route.dependant) == 1 for route in routes) >= 25  # (the walk finds them)
+    with TestClient(app) as client:
+        key = bearer(make_key(client, "alpha"))
+        hook = client.post("/webhooks", json={"url": "https://ci.example.com/h"}, headers=key)
+        assert hook.status_code == 201, hook.text
+        path = f"/webhooks/{hook.json()['id']}"
+        assert client.patch(path, json={"description": "ci"}, headers=key).status_code == 200
+        assert client.get(path, headers=key).status_code == 200
+        assert client.get(path, headers=key).status_code == 429
 
 
 def test_refuses_open_network_address_without_auth(tmp_path: Path) -> None:
