@@ -44,6 +44,7 @@ class Principal:
     key_id: str  # "admin", "anonymous" or the API key's id
     is_admin: bool = False
     expires: str | None = None  # an API key's expiry, as the X-Tputune-Key-Expires header says it
+    read_only: bool = False  # it may only read (GET, HEAD): api.deps.caller refuses anything else
 
     @property
     def scope(self) -> str | None:
@@ -60,6 +61,16 @@ class Principal:
 ANONYMOUS = Principal(tenant=DEFAULT_TENANT, key_id="anonymous", is_admin=True)
 ADMIN = Principal(tenant=DEFAULT_TENANT, key_id="admin", is_admin=True)
 UNKNOWN_KEY = "This API key is unknown or revoked; ask your admin for a new one."
+READS = frozenset({"GET", "HEAD"})  # what a read-only key may send
+
+
+def read_only_refused() -> ApiError:
+    return ApiError(
+        403,
+        "read_only_key",
+        "This API key is read-only: it reads (GET) and cannot create, change or cancel anything; use a key "
+        "made without read_only (ask your admin).",
+    )
 
 
 def hash_key(key: str) -> str:
@@ -148,7 +159,11 @@ class Authenticator:
         principal = None
         if row is not None and row.revoked_at is None:
             principal = Principal(
-                tenant=row.tenant, key_id=row.id, is_admin=row.admin, expires=_when(expires)
+                tenant=row.tenant,
+                key_id=row.id,
+                is_admin=row.admin,
+                expires=_when(expires),
+                read_only=row.read_only,
             )
         admitted = self._admit(digest, (now, principal, expires))
         assert admitted is not None  # (looked up: a Principal or an ApiError)

@@ -319,12 +319,21 @@ def _when(stamp: str) -> str:
     return _time(stamp).strftime("%Y-%m-%d %H:%M")
 
 
+def key_role(key: dict[str, Any]) -> str:
+    """admin, member, or their read-only kinds: auditor (every team's), reader (its own team's)."""
+    if key.get("read_only"):
+        return "auditor" if key["admin"] else "reader"
+    return "admin" if key["admin"] else "member"
+
+
 def keys(args: argparse.Namespace) -> int:
     with _client(args) as client:
         if args.action == "create":
-            key = client.create_key(args.tenant, args.name, args.expires_in_days, args.admin)
+            key = client.create_key(args.tenant, args.name, args.expires_in_days, args.admin, args.read_only)
             expiry = f", expires {_when(key['expires_at'])}" if key["expires_at"] else ""
-            role = "an admin key " if key["admin"] else ""
+            role = {"admin": "an admin key ", "auditor": "an auditor key ", "reader": "a read-only key "}.get(
+                key_role(key), ""
+            )
             print(f"created {role}{key['id']} for tenant {key['tenant']}{expiry}; the key is shown only now:")
             print(key["key"])
         elif args.action == "list":
@@ -342,7 +351,7 @@ def keys(args: argparse.Namespace) -> int:
                 else:
                     state = "active"
                 used = _when(key["last_used_at"]) if key["last_used_at"] else "never"
-                role = "admin" if key["admin"] else "member"
+                role = key_role(key)
                 print(
                     f"{key['id']:<16} {key['prefix']:<16} {key['tenant']:<16} {role:<7} {state:<28} "
                     f"{used:<18} {key['name']}"
@@ -690,6 +699,11 @@ def parser() -> argparse.ArgumentParser:
     )
     a.add_argument(
         "--admin", action="store_true", help="an admin key: manages keys, sees every tenant's jobs"
+    )
+    a.add_argument(
+        "--read-only",
+        action="store_true",
+        help="a key that only reads (dashboards, monitoring); with --admin an auditor's (every team's)",
     )
     a = actions.add_parser("list", help="list keys")
     a.add_argument("--tenant", help="only this tenant's")

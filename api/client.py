@@ -158,9 +158,14 @@ class Client:
     # --- API keys (admin key only) ---
 
     def create_key(
-        self, tenant: str, name: str, expires_in_days: int | None = None, admin: bool = False
+        self,
+        tenant: str,
+        name: str,
+        expires_in_days: int | None = None,
+        admin: bool = False,
+        read_only: bool = False,
     ) -> dict[str, Any]:
-        body: dict[str, Any] = {"tenant": tenant, "name": name, "admin": admin}
+        body: dict[str, Any] = {"tenant": tenant, "name": name, "admin": admin, "read_only": read_only}
         if expires_in_days is not None:
             body["expires_in_days"] = expires_in_days
         return self._request("POST", "/admin/keys", json=body)

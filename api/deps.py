@@ -17,7 +17,7 @@ from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.auth import COOKIE_NAME, Authenticator, Principal
+from api.auth import COOKIE_NAME, READS, Authenticator, Principal, read_only_refused
 from api.errors import ApiError
 from api.executors import Executor
 from api.observability import CALLER
@@ -105,6 +105,8 @@ async def caller(request: Request) -> Principal:
         principal = await run_in_threadpool(auth.authenticate, key)
     request.scope.setdefault("state", {})[CALLER] = principal  # (for the access log)
     auth.check_rate(principal)
+    if principal.read_only and request.method not in READS:
+        raise read_only_refused()
     return principal
 
 

@@ -163,6 +163,9 @@ class ApiKey(SQLModel, table=True):
     last_used_at: datetime | None = _ts()
     # An admin key: manages keys, and sees and acts on every tenant's jobs (as TPUTUNE_ADMIN_KEY does).
     admin: bool = Field(default=False, sa_column_kwargs={"server_default": false()})
+    # A read-only key: it reads what its role may read, and changes nothing (api.deps.caller refuses it any
+    # request but GET/HEAD). A read-only admin key is an auditor's: every team's jobs, keys and usage.
+    read_only: bool = Field(default=False, sa_column_kwargs={"server_default": false()})
 
 
 class Tenant(SQLModel, table=True):

@@ -325,6 +325,64 @@ def test_each_request_spends_one_token_of_its_keys_rate(make_settings: Callable[
         assert client.get(path, headers=key).status_code == 429
 
 
+def test_a_read_only_key_reads_and_changes_nothing(
+    make_settings: Callable[..., Settings], dataset: Path
+) -> None:
+    """A member's read-only key reads its team's jobs and nothing else; an admin's (an auditor's) reads
+    every team's, keys included; neither creates, changes or cancels anything, whatever the route. The
+    job's worker token is not a key: unaffected."""
+    with TestClient(
+        create_app(make_settings(dispatcher_enabled=False, admin_key=ADMIN, rate_limit_per_second=0))
+    ) as client:
+        admin = bearer(ADMIN)
+        writer = bearer(make_key(client, "alpha"))
+        job_id = client.post("/jobs", json=job(dataset), headers=writer).json()["id"]
+        other = client.post("/jobs", json=job(dataset), headers=bearer(make_key(client, "beta"))).json()["id"]
+
+        def create(**kind: bool) -> dict[str, Any]:
+            body = {"tenant": "alpha", "name": "grafana", **kind}
+            made = client.post("/admin/keys", json=body, headers=admin)
+            assert made.status_code == 201, made.text
+            return dict(made.json())
+
+        reader = create(read_only=True)
+        assert (reader["read_only"], reader["admin"]) == (True, False)
+        auditor = create(read_only=True, admin=True)
+        for made, sees_other in ((reader, False), (auditor, True)):
+            key = bearer(made["key"])
+            assert client.get(f"/jobs/{job_id}", headers=key).status_code == 200
+            assert client.get(f"/jobs/{job_id}/events", headers=key).status_code == 200
+            assert (client.get(f"/jobs/{other}", headers=key).status_code == 200) == sees_other
+            for path in ("/jobs", "/tenant", "/usage", "/audit", "/webhooks"):
+                assert client.get(path, headers=key).status_code == 200, path
+            assert (client.get("/admin/keys", headers=key).status_code == 200) == sees_other
+            for method, path, body in (
+                ("POST", "/jobs", job(dataset)),
+                ("POST", f"/jobs/{job_id}/cancel", None),
+                ("POST", f"/jobs/{job_id}/pause", None),
+                ("POST", "/webhooks", {"url": "https://ci.example.com/h"}),
+                ("POST", "/admin/keys", {"tenant": "alpha", "name": "more"}),
+                ("PATCH", "/admin/tenants/alpha", {"max_active_jobs": 1}),
+                ("DELETE", f"/admin/keys/{made['id']}", None),
+            ):
+                refused = client.request(method, path, json=body, headers=key)
+                assert refused.status_code == 403, (method, path, refused.text)
+                error = refused.json()["error"]
+                assert error["code"] == "read_only_key" and "read-only" in error["message"], error
+        assert client.get(f"/jobs/{job_id}", headers=writer).json()["status"] == "queued"  # (not cancelled)
+        assert [k["name"] for k in client.get("/admin/keys", headers=admin).json()["data"]].count(
+            "grafana"
+        ) == 2
+
+        # Rotated, it stays read-only; the dashboard's session says so.
+        rotated = client.post(f"/admin/keys/{reader['id']}/rotate", headers=admin).json()
+        assert rotated["read_only"] is True
+        assert client.post("/jobs", json=job(dataset), headers=bearer(rotated["key"])).status_code == 403
+        client.post("/auth/session", json={"key": rotated["key"]})
+        state = client.get("/auth/session").json()
+        assert (state["signed_in"], state["tenant"], state["read_only"]) == (True, "alpha", True)
+
+
 def test_refuses_open_network_address_without_auth(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"refusing to serve 0\.0\.0\.0"):
         Settings(data_dir=tmp_path, host="0.0.0.0").check_exposure()

@@ -372,8 +372,16 @@ def test_keys_commands(live_api, capsys) -> None:  # type: ignore[no-untyped-def
     assert "LAST USED" in out.splitlines()[0]
     used = next(line for line in out.splitlines() if key_id in line)
     assert time.strftime("%Y-%m-%d", time.gmtime()) in used and "never" not in used  # (its `list` above)
+    code, out, _ = run(
+        api, capsys, "--api-key", "the-admin-key-123", "keys", "create", "--tenant", "ops", "--name", "audit",
+        "--admin", "--read-only",
+    )  # fmt: skip
+    assert code == 0 and out.startswith("created an auditor key key_")
+    code, out, err = run(api, capsys, "--api-key", out.splitlines()[-1], "keys", "revoke", key_id)
+    assert code == 3 and "(read_only_key)" in err
     code, out, _ = run(api, capsys, "--api-key", "the-admin-key-123", "keys", "list", "--tenant", "ops")
-    assert [line.split()[-1] for line in out.splitlines()[1:]] == ["alice"]
+    assert [line.split()[-1] for line in out.splitlines()[1:]] == ["alice", "audit"]
+    assert out.splitlines()[-1].split()[3] == "auditor"
     code, out, _ = run(
         api, capsys, "--api-key", "the-admin-key-123", "keys", "create", "--tenant", "t1", "--name", "month",
         "--expires-in-days", "30",
@@ -416,6 +424,7 @@ def test_keys_commands(live_api, capsys) -> None:  # type: ignore[no-untyped-def
         "key.revoked",
         "key.created",
         "key.rotated",
+        "key.created",
         "key.created",
         "key.created",
         "key.created",

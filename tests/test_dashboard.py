@@ -684,6 +684,13 @@ def test_the_keys_page_creates_rotates_and_revokes(
     page.get_by_role("button", name=f"Revoke {new_id}").click()
     expect(page.locator(f'tr[data-key-id="{new_id}"] .state')).to_have_text(re.compile(r"^revoked "))
     expect(page.get_by_role("button", name=f"Revoke {new_id}")).to_have_count(0)
+    page.get_by_label("Tenant", exact=True).fill("alpha")
+    page.get_by_label("Name", exact=True).fill("grafana")
+    page.get_by_label("Read-only").check()
+    page.get_by_role("button", name="Create key").click()
+    expect(page.locator("#secret-what")).to_contain_text("New read-only key")
+    expect(rows).to_have_count(3)
+    expect(rows.last.locator("td").nth(2)).to_have_text("reader")
     tab.assert_clean()
 
     # A member key gets the API's sentence, and no keys.

@@ -428,3 +428,30 @@ def test_tenants_stored_before_keep_their_limits_and_have_the_servers_data_prefi
     assert stored() == [("research", 2)]
     upgrade(database_url)
     assert stored() == [("research", 2, None)]
+
+
+def test_keys_stored_before_are_not_read_only(database_url: str) -> None:
+    """0015 adds api_keys.read_only: the keys stored before read and write as before; going back to 0014
+    keeps them."""
+    downgrade(database_url, "0014")
+    engine = make_engine(database_url)
+    with engine.begin() as connection:
+        connection.execute(
+            text(
+                "INSERT INTO api_keys (id, tenant, name, prefix, key_hash, created_at, admin) "
+                "VALUES ('key_a', 'research', 'ci', 'tpt_a', 'h', :now, false)"
+            ),
+            {"now": utcnow()},
+        )
+    engine.dispose()
+    upgrade(database_url)
+    engine = make_engine(database_url)
+    with engine.connect() as connection:
+        assert connection.execute(text("SELECT id, read_only FROM api_keys")).all() == [("key_a", False)]
+    engine.dispose()
+    downgrade(database_url, "0014")
+    engine = make_engine(database_url)
+    with engine.connect() as connection:
+        assert connection.execute(text("SELECT id, tenant FROM api_keys")).all() == [("key_a", "research")]
+    engine.dispose()
+    upgrade(database_url)

@@ -38,6 +38,12 @@ class KeyCreate(BaseModel):
         description="An admin key: it manages keys, and sees and acts on every tenant's jobs, as the "
         "server's TPUTUNE_ADMIN_KEY does (which can then stay in a vault). Rate-limited like any key.",
     )
+    read_only: bool = Field(
+        default=False,
+        description="A read-only key: it reads (GET) and changes nothing; anything else is refused (403 "
+        "read_only_key). For dashboards, monitoring and CI status; with `admin`, an auditor's key (every "
+        "team's jobs, keys, usage and audit log).",
+    )
 
     model_config = {
         "json_schema_extra": {
@@ -52,6 +58,7 @@ class KeyPublic(BaseModel):
     name: str
     prefix: str = Field(description="The key's visible start, to recognise it.")
     admin: bool = Field(description="Whether it is an admin key.")
+    read_only: bool = Field(description="Whether it only reads.")
     created_at: datetime
     revoked_at: datetime | None
     expires_at: datetime | None = Field(description="When the key stops working; null: never.")
@@ -67,6 +74,7 @@ class KeyPublic(BaseModel):
             name=row.name,
             prefix=row.prefix,
             admin=row.admin,
+            read_only=row.read_only,
             created_at=as_utc(row.created_at),  # type: ignore[arg-type]
             revoked_at=as_utc(row.revoked_at),
             expires_at=as_utc(row.expires_at),
@@ -125,7 +133,7 @@ def _lifetime(days: int | None, most: int | None) -> int | None:
     return days or most
 
 
-def _new_key(tenant: str, name: str, days: int | None, admin: bool) -> tuple[ApiKey, str]:
+def _new_key(tenant: str, name: str, days: int | None, admin: bool, read_only: bool) -> tuple[ApiKey, str]:
     """A new key's row, and its secret (shown once)."""
     key_id, prefix, plaintext, digest = new_api_key()
     now = utcnow()
@@ -139,6 +147,7 @@ def _new_key(tenant: str, name: str, days: int | None, admin: bool) -> tuple[Api
         created_at=now,
         expires_at=expires_at,
         admin=admin,
+        read_only=read_only,
     )
     return row, plaintext
 
@@ -149,6 +158,7 @@ def _audited(row: ApiKey) -> dict[str, object]:
         "name": row.name,
         "prefix": row.prefix,
         "admin": row.admin,
+        "read_only": row.read_only,
         "expires_at": audit.when(row.expires_at),
     }
 
@@ -168,7 +178,7 @@ def _key(session: Session, key_id: str) -> ApiKey:
 )
 def create_key(body: KeyCreate, session: SessionDep, settings: SettingsDep, admin: AdminDep) -> Response:
     days = _lifetime(body.expires_in_days, settings.key_max_days)
-    row, plaintext = _new_key(body.tenant, body.name, days, body.admin)
+    row, plaintext = _new_key(body.tenant, body.name, days, body.admin, body.read_only)
     session.add(row)
     audit.record(session, admin, "key.created", row.tenant, row.id, _audited(row))
     session.commit()
@@ -208,7 +218,8 @@ def rotate_key(
     if days is None and created is not None and expires is not None:  # the old key's, in whole days
         days = max(1, math.ceil((expires - created).total_seconds() / 86_400))
         days = min(days, settings.key_max_days or days)
-    row, plaintext = _new_key(old.tenant, old.name, _lifetime(days, settings.key_max_days), old.admin)
+    lifetime = _lifetime(days, settings.key_max_days)
+    row, plaintext = _new_key(old.tenant, old.name, lifetime, old.admin, old.read_only)
     stops = row.created_at + timedelta(seconds=body.grace_seconds)
     old.expires_at = stops if expires is None else min(expires, stops)
     session.add_all([row, old])
@@ -309,6 +320,7 @@ class SessionState(BaseModel):
     signed_in: bool = Field(description="Whether this browser's cookie holds a valid key.")
     tenant: str | None = Field(description="The signed-in key's tenant.")
     admin: bool = Field(default=False, description="Whether it is an admin key (every tenant's jobs).")
+    read_only: bool = Field(default=False, description="Whether the key only reads.")
 
 
 @router.get("/auth/session", response_model=SessionState, summary="Whether the browser is signed in")
@@ -321,7 +333,13 @@ def session_state(request: Request) -> SessionState:
         principal = auth.authenticate(key)
     except ApiError:
         return SessionState(auth_required=True, signed_in=False, tenant=None)
-    return SessionState(auth_required=True, signed_in=True, tenant=principal.tenant, admin=principal.is_admin)
+    return SessionState(
+        auth_required=True,
+        signed_in=True,
+        tenant=principal.tenant,
+        admin=principal.is_admin,
+        read_only=principal.read_only,
+    )
 
 
 @router.delete("/auth/session", status_code=204, summary="Sign the browser out")

@@ -83,9 +83,9 @@ async function showSession() {
     await api("/auth/session", { method: "DELETE" }).catch(() => null);
     location.reload();
   });
-  const who = state.admin
-    ? "Signed in as the admin: every tenant's jobs. "
-    : `Signed in to tenant ${state.tenant}. `;
+  const who = (state.admin
+    ? "Signed in as the admin: every tenant's jobs"
+    : `Signed in to tenant ${state.tenant}`) + (state.read_only ? ", read-only. " : ". ");
   const links = state.admin
     ? [
         el("a", { text: "API keys", attrs: { href: "/ui/keys", id: "keys-link" } }),

@@ -4,6 +4,12 @@ import { api, button, el, minute as when, onSubmit, showError, showingErrors, sh
 const tbody = document.querySelector("#keys tbody");
 const error = document.getElementById("keys-error");
 
+// admin, member, or their read-only kinds: auditor (every team's), reader (its own team's).
+function role(key) {
+  if (key.read_only) return key.admin ? "auditor" : "reader";
+  return key.admin ? "admin" : "member";
+}
+
 function state(key) {
   if (key.revoked_at) return `revoked ${when(key.revoked_at)}`;
   if (key.expires_at && Date.parse(key.expires_at) <= Date.now()) return `expired ${when(key.expires_at)}`;
@@ -42,7 +48,7 @@ function row(key) {
   return el("tr", { attrs: { "data-key-id": key.id } }, [
     el("td", {}, [el("span", { text: key.name }), el("br"), el("small", { text: key.prefix, className: "muted mono" })]),
     el("td", { text: key.tenant }),
-    el("td", { text: key.admin ? "admin" : "member" }),
+    el("td", { text: role(key) }),
     el("td", { text: state(key), className: "state" }),
     el("td", { text: key.last_used_at ? when(key.last_used_at) : "never", className: "used" }),
     el("td", {}, actions(key)),
@@ -60,7 +66,12 @@ async function refresh() {
 
 onSubmit(document.getElementById("create"), (event) => {
   const form = new FormData(event.target);
-  const body = { tenant: form.get("tenant"), name: form.get("name"), admin: form.get("admin") === "on" };
+  const body = {
+    tenant: form.get("tenant"),
+    name: form.get("name"),
+    admin: form.get("admin") === "on",
+    read_only: form.get("read_only") === "on",
+  };
   if (form.get("days")) body.expires_in_days = Number(form.get("days"));
   act(async () => {
     const created = await api("/admin/keys", {
@@ -68,7 +79,8 @@ onSubmit(document.getElementById("create"), (event) => {
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify(body),
     });
-    showSecret(`New ${created.admin ? "admin " : ""}key ${created.id} for ${created.tenant}.`, created.key);
+    const kind = { admin: "admin ", auditor: "auditor ", reader: "read-only " }[role(created)] ?? "";
+    showSecret(`New ${kind}key ${created.id} for ${created.tenant}.`, created.key);
     event.target.reset();
   });
 });
