@@ -120,8 +120,10 @@ NO_ADMIN_KEY = (
 
 
 def admin_keys_working(session: Session) -> set[str]:
-    """The admin API keys that work now (neither revoked nor expired), by id: a few."""
-    return set(session.exec(select(ApiKey.id).where(col(ApiKey.admin), usable_key(time.time()))))
+    """The admin API keys that work now (neither revoked nor expired) and may manage keys (not read-only),
+    by id: a few."""
+    usable = usable_key(time.time())
+    return set(session.exec(select(ApiKey.id).where(col(ApiKey.admin), ~col(ApiKey.read_only), usable)))
 
 
 def _expiry(expires_at: datetime | None) -> float:

@@ -284,8 +284,9 @@ def revoke_key(
         raise ApiError(
             409,
             "last_admin_key",
-            f"Key {row.id} is the last admin key that works, and this server has no TPUTUNE_ADMIN_KEY: "
-            "revoked, nobody could manage keys. Create another admin key first, then revoke this one.",
+            f"Key {row.id} is the last admin key that works (a read-only one does not count), and this "
+            "server has no TPUTUNE_ADMIN_KEY: revoked, nobody could manage keys. Create another admin key "
+            "first, then revoke this one.",
         )
     if row.revoked_at is None:
         row.revoked_at = utcnow()
