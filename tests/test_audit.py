@@ -85,6 +85,7 @@ def test_every_change_to_keys_limits_and_webhooks_is_logged_with_who_and_what(
             "name": "ci",
             "prefix": research_key["prefix"],
             "admin": False,
+            "read_only": False,
             "expires_at": research_key["expires_at"].replace("Z", "+00:00"),
         }
         assert first["actor"] == {"key_id": "admin", "tenant": "default", "who": "the admin"}
@@ -155,7 +156,12 @@ def test_refused_and_unchanged_requests_log_nothing(make_settings: Callable[...,
         assert bad.status_code == 422
         vision = bearer(make_key(client, "vision"))
         assert client.delete(f"/webhooks/{hook_id}", headers=vision).status_code == 404
-        # Unchanged: the same events again; a key revoked twice is revoked once.
+        # Unchanged: a limit set to what it is, the same events again; a key revoked twice is revoked once.
+        assert client.patch("/admin/tenants/research", json={}, headers=admin).status_code == 200
+        assert (
+            client.patch("/admin/tenants/vision", json={"max_active_jobs": None}, headers=admin).status_code
+            == 200
+        )
         same = client.patch(
             f"/webhooks/{hook_id}",
             json={"events": ["job.succeeded", "job.failed", "job.cancelled"]},

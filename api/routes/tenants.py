@@ -289,8 +289,14 @@ def set_tenant_limits(
             setattr(row, field, value)
         row.updated_at, row.updated_by = utcnow(), admin.who
         session.add(row)
-        details = {field: {"from": before[field], "to": _shown(row, field)} for field in changes}
-        audit.record(session, admin, "tenant.updated", name, name, details)
+        after = {field: _shown(row, field) for field in changes}
+        details = {
+            field: {"from": before[field], "to": after[field]}
+            for field in changes
+            if before[field] != after[field]
+        }
+        if details:  # (a limit set to what it was changes nothing)
+            audit.record(session, admin, "tenant.updated", name, name, details)
         try:
             session.commit()
             break
