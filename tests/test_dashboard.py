@@ -615,6 +615,41 @@ def test_the_admin_sees_whose_each_job_is_and_a_tenant_only_its_own(
     expect(rows.first.locator("small")).to_have_text(ids["alpha"])  # (one tenant: no need to say whose)
 
 
+def test_a_read_only_key_is_offered_nothing_that_changes_something(
+    live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    api = live_api(dispatcher_enabled=False, admin_key=ADMIN)
+    api.headers = {"Authorization": f"Bearer {ADMIN}"}
+    with api.client() as http:
+        writer = http.post("/admin/keys", json={"tenant": "alpha", "name": "alice"}).json()["key"]
+        body = {"tenant": "alpha", "name": "grafana", "read_only": True}
+        reader = http.post("/admin/keys", json=body).json()["key"]
+    api.headers = {"Authorization": f"Bearer {writer}"}
+    job_id = create(api, dataset, "alpha job")
+    with api.client() as http:
+        assert http.post("/webhooks", json={"url": "https://ci.example.com/h"}).status_code == 201
+
+    for key, read_only in ((writer, False), (reader, True)):
+        page = sign_in(open_tab(api, f"/ui/jobs/{job_id}").page, key)
+        expect(page.locator("#status")).to_have_text("queued")
+        session = (
+            "Signed in to tenant alpha, read-only. Sign out"
+            if read_only
+            else "Signed in to tenant alpha. Sign out"
+        )
+        expect(page.locator("#session")).to_have_text(session)
+        cancel = page.get_by_role("button", name="Cancel job")
+        expect(cancel).to_be_hidden() if read_only else expect(cancel).to_be_visible()
+        page.goto(f"{api.url}/ui/webhooks")
+        expect(page.locator("#webhooks tbody tr")).to_have_count(1)
+        for control in (
+            page.get_by_role("button", name="Add endpoint"),
+            page.get_by_role("button", name="Delete"),
+        ):
+            expect(control).to_be_hidden() if read_only else expect(control).to_be_visible()
+        expect(page.get_by_role("button", name="Deliveries")).to_be_visible()  # (a read)
+
+
 def test_a_key_that_expires_within_a_week_is_pointed_out(
     live_api: Callable[..., LiveApi], open_tab: Callable[[LiveApi, str], Tab]
 ) -> None:

@@ -83,6 +83,7 @@ async function showSession() {
     await api("/auth/session", { method: "DELETE" }).catch(() => null);
     location.reload();
   });
+  if (state.read_only) document.body.classList.add("read-only");
   const who = (state.admin
     ? "Signed in as the admin: every tenant's jobs"
     : `Signed in to tenant ${state.tenant}`) + (state.read_only ? ", read-only. " : ". ");
@@ -124,6 +125,13 @@ export async function showingErrors(errorNode, action) {
 export function button(text, label, onClick) {
   const node = el("button", { text, attrs: { type: "button", "aria-label": label } });
   node.addEventListener("click", onClick);
+  return node;
+}
+
+// A button that changes something: not shown to a read-only key (the `writes` class, dashboard.css).
+export function writeButton(text, label, onClick) {
+  const node = button(text, label, onClick);
+  node.classList.add("writes");
   return node;
 }
 

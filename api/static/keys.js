@@ -1,5 +1,5 @@
 // The API keys page: GET /admin/keys, and create, rotate and revoke (admin keys only).
-import { api, button, el, minute as when, onSubmit, showError, showingErrors, showSecret } from "./common.js";
+import { api, el, minute as when, onSubmit, showError, showingErrors, showSecret, writeButton } from "./common.js";
 
 const tbody = document.querySelector("#keys tbody");
 const error = document.getElementById("keys-error");
@@ -24,7 +24,7 @@ async function act(action) {
 
 function actions(key) {
   if (key.revoked_at) return [];
-  const rotate = button("Rotate", `Rotate ${key.id}`, () => {
+  const rotate = writeButton("Rotate", `Rotate ${key.id}`, () => {
     const hours = prompt(`Rotate ${key.id} (${key.name}): hours the old key goes on working?`, "0");
     if (hours === null) return;
     act(async () => {
@@ -37,7 +37,7 @@ function actions(key) {
       showSecret(`New key ${created.id} for ${created.tenant}, replacing ${key.id}.`, created.key);
     });
   });
-  const revoke = button("Revoke", `Revoke ${key.id}`, () => {
+  const revoke = writeButton("Revoke", `Revoke ${key.id}`, () => {
     if (!confirm(`Revoke ${key.id} (${key.name})? It stops working at once.`)) return;
     act(() => api(`/admin/keys/${encodeURIComponent(key.id)}`, { method: "DELETE" }));
   });

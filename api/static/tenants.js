@@ -1,6 +1,6 @@
 // The teams page: GET /admin/tenants (and what each ran in 30 days, GET /usage), and each team's limits
 // and data prefixes set with PATCH /admin/tenants/{name}.
-import { api, button, el, formatNumber, minute, onSubmit } from "./common.js";
+import { api, el, formatNumber, minute, onSubmit, writeButton } from "./common.js";
 
 const REFRESH_MS = 5000;
 // What each team ran in 30 days changes slowly, and its report reads every job of the window (0.3 s with
@@ -28,7 +28,7 @@ function where(tenant) {
 }
 
 function row(tenant, spent) {
-  const edit = button("Edit", `Edit ${tenant.name}`, () => {
+  const edit = writeButton("Edit", `Edit ${tenant.name}`, () => {
     form.elements.tenant.value = tenant.name;
     form.elements.jobs.value = tenant.own_limits.max_active_jobs ?? "";
     form.elements.chips.value = tenant.own_limits.max_active_chips ?? "";

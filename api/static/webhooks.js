@@ -1,6 +1,6 @@
 // The webhooks page: GET /webhooks, and add, test, enable or disable and delete endpoints; an endpoint's
 // deliveries, a missed one sent again.
-import { api, button, el, minute as when, onSubmit, showError, showingErrors, showSecret } from "./common.js";
+import { api, button, el, minute as when, onSubmit, showError, showingErrors, showSecret, writeButton } from "./common.js";
 
 const tbody = document.querySelector("#webhooks tbody");
 const deliveries = document.querySelector("#deliveries tbody");
@@ -15,13 +15,13 @@ async function act(action) {
 
 function actions(hook) {
   const path = `/webhooks/${encodeURIComponent(hook.id)}`;
-  const test = button("Send test", `Send a test event to ${hook.id}`, () =>
+  const test = writeButton("Send test", `Send a test event to ${hook.id}`, () =>
     act(async () => {
       await api(`${path}/test`, { method: "POST" });
       shown = hook;
     }),
   );
-  const toggle = button(hook.enabled ? "Disable" : "Enable", `${hook.enabled ? "Disable" : "Enable"} ${hook.id}`, () =>
+  const toggle = writeButton(hook.enabled ? "Disable" : "Enable", `${hook.enabled ? "Disable" : "Enable"} ${hook.id}`, () =>
     act(() =>
       api(path, {
         method: "PATCH",
@@ -30,7 +30,7 @@ function actions(hook) {
       }),
     ),
   );
-  const rotate = button("New secret", `New signing secret for ${hook.id}`, () => {
+  const rotate = writeButton("New secret", `New signing secret for ${hook.id}`, () => {
     if (!confirm(`Give ${hook.id} a new signing secret? The old one signs too for 24 hours.`)) return;
     act(async () => {
       const rotated = await api(`${path}/rotate-secret`, { method: "POST" });
@@ -41,7 +41,7 @@ function actions(hook) {
     shown = hook;
     refresh();
   });
-  const remove = button("Delete", `Delete ${hook.id}`, () => {
+  const remove = writeButton("Delete", `Delete ${hook.id}`, () => {
     if (!confirm(`Delete ${hook.id} (${hook.url})? Nothing more is sent to it.`)) return;
     act(async () => {
       await api(path, { method: "DELETE" });
@@ -82,7 +82,7 @@ function lastAnswer(delivery) {
 
 function resend(delivery) {
   const path = `/webhooks/${encodeURIComponent(delivery.webhook_id)}/deliveries/${delivery.id}/retry`;
-  return button("Send again", `Send delivery ${delivery.id} again`, () => act(() => api(path, { method: "POST" })));
+  return writeButton("Send again", `Send delivery ${delivery.id} again`, () => act(() => api(path, { method: "POST" })));
 }
 
 function deliveryRow(delivery) {
