@@ -260,7 +260,13 @@ def test_worker_token_cannot_read_or_cancel(auth_client: TestClient, dataset: Pa
 
 def test_browser_session_cookie(auth_client: TestClient) -> None:
     key = make_key(auth_client, "alpha")
-    signed_out = {"auth_required": True, "signed_in": False, "tenant": None, "admin": False}
+    signed_out = {
+        "auth_required": True,
+        "signed_in": False,
+        "tenant": None,
+        "admin": False,
+        "read_only": False,
+    }
     assert auth_client.get("/auth/session").json() == signed_out
     assert auth_client.post("/auth/session", json={"key": "nope"}).status_code == 401
     response = auth_client.post("/auth/session", json={"key": key})
@@ -270,6 +276,7 @@ def test_browser_session_cookie(auth_client: TestClient) -> None:
         "signed_in": True,
         "tenant": "alpha",
         "admin": False,
+        "read_only": False,
     }
     assert "httponly" in response.headers["set-cookie"].lower()
     assert "samesite=strict" in response.headers["set-cookie"].lower()
