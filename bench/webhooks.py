@@ -7,7 +7,10 @@ sender reads the events of the last CURSOR_GRACE_SECONDS again on every pass. Th
 - `--jobs` jobs fail at once (api.jobs.fail_queued: a status event each): the time until the endpoint has
   every delivery, deliveries per second, and the passes it took (run as the sender's thread runs them);
 - again, with a second endpoint of the team's that never answers (each post to it waits out the
-  timeout, 10 s): the time until the first has every delivery.
+  timeout, 10 s): the time until the first has every delivery;
+- in a database of its own, `--endpoints` endpoints with a backlog each (3 deliveries due): what a pass
+  reads to choose the deliveries to send (`WebhookSender._due`, a full page: each endpoint's oldest),
+  the median of 15.
 The endpoint is Python's http.server in a process of its own, on the same 2 cores.
 Last line: one JSON object.
 
@@ -24,6 +27,7 @@ import socket
 import statistics
 import sys
 import time
+from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -32,14 +36,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from sqlalchemy import insert, text  # noqa: E402
+from sqlmodel import Session  # noqa: E402
 
 from api.db import make_engine  # noqa: E402
 from api.jobs import fail_queued, prepare_job, write_jobs  # noqa: E402
 from api.migrate import upgrade  # noqa: E402
-from api.models import JobEvent, Webhook, utcnow  # noqa: E402
+from api.models import JobEvent, Webhook, WebhookDelivery, utcnow  # noqa: E402
 from api.schemas import JobCreate  # noqa: E402
 from api.settings import Settings  # noqa: E402
-from api.webhooks import DEFAULT_EVENTS, WebhookSender, new_secret  # noqa: E402
+from api.webhooks import DEFAULT_EVENTS, SEND_PAGE, WebhookSender, new_secret  # noqa: E402
 from bench.databases import Databases  # noqa: E402
 
 
@@ -187,11 +192,64 @@ def burst(
     }
 
 
+def backlog_read(url: str, workdir: Path, endpoints: int, each: int = 3) -> float:
+    """Milliseconds a pass takes to choose what to send where `endpoints` endpoints have `each` deliveries
+    due (more than a page: each endpoint's oldest are read), the median of 15. Nothing is posted."""
+    upgrade(url)
+    engine = make_engine(url, 4)
+    due_at = utcnow() - timedelta(seconds=5)
+    hooks = [
+        {
+            "id": f"wh_{i:06d}",
+            "tenant": "bench",
+            "url": "http://127.0.0.1:9/hook",
+            "events": ["job.failed"],
+            "secret": new_secret(),
+            "created_at": due_at,
+        }
+        for i in range(endpoints)
+    ]
+    deliveries = [
+        {
+            "webhook_id": hook["id"],
+            "event_id": n,
+            "type": "job.failed",
+            "job_id": f"ft-{n}",
+            "body": "{}",
+            "status": "pending",
+            "attempts": 0,
+            "created_at": due_at,
+            "next_attempt_at": due_at,
+        }
+        for n, hook in enumerate(hook for hook in hooks for _ in range(each))
+    ]
+    with engine.begin() as connection:
+        connection.execute(insert(Webhook.__table__), hooks)  # type: ignore[attr-defined]
+        for start in range(0, len(deliveries), 5_000):
+            connection.execute(insert(WebhookDelivery.__table__), deliveries[start : start + 5_000])  # type: ignore[attr-defined]
+    if engine.dialect.name == "postgresql":
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+            connection.execute(text("ANALYZE"))
+    sender = WebhookSender(engine, Settings(data_dir=workdir / "state", database_url=url))
+    took = []
+    for _ in range(15):
+        with Session(engine) as session:
+            started = time.perf_counter()
+            due = sender._due(session, SEND_PAGE)
+            took.append(time.perf_counter() - started)
+            session.rollback()  # (nothing put off stays so)
+        assert len(due) == min(SEND_PAGE, endpoints * each), len(due)
+    sender.close()
+    engine.dispose()
+    return round(statistics.median(took) * 1000, 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--databases", default="sqlite,postgres", help="comma-separated (sqlite,postgres)")
     p.add_argument("--jobs", type=int, default=2_000, help="jobs that end at once (2,000)")
     p.add_argument("--reports", type=int, default=60_000, help="reports written in the last minute (60,000)")
+    p.add_argument("--endpoints", type=int, default=1_000, help="endpoints with a backlog each (1,000)")
     args = p.parse_args(argv)
     figures: list[dict[str, Any]] = []
     databases = Databases()
@@ -206,6 +264,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"({row['deliveries_per_second']:,}/s, {row['passes']} passes); beside an endpoint that "
                 f"never answers: {row['burst_seconds_beside_hanging']:.2f} s "
                 f"({row['deliveries_per_second_beside_hanging']:,}/s, {row['passes_beside_hanging']} passes)",
+                flush=True,
+            )
+            url, workdir = databases.new(database, "tputune-webhooks-")
+            row["backlog_read_ms"] = backlog_read(url, workdir, args.endpoints)
+            row["endpoints"] = args.endpoints
+            print(
+                f"{database:8} {args.endpoints:,} endpoints with a backlog each: a pass chooses what to send "
+                f"in {row['backlog_read_ms']:.1f} ms",
                 flush=True,
             )
             figures.append(row)
