@@ -467,12 +467,13 @@ _LIMIT_FLAGS = {
     "max_jobs": "max_active_jobs",
     "max_chips": "max_active_chips",
     "max_queued": "max_queued_jobs",
+    "max_chip_hours": "max_chip_hours_per_month",
 }
 
 
 def _limit_arg(text: str) -> int | str | None:
-    """--max-jobs/--max-chips/--max-queued: a number, `default` (the server's limit), or `unlimited` (none,
-    whatever the server's)."""
+    """--max-jobs/--max-chips/--max-queued/--max-chip-hours: a number, `default` (the server's limit), or
+    `unlimited` (none, whatever the server's)."""
     if text == "default":
         return None
     if text == "unlimited":
@@ -491,15 +492,16 @@ def tenants(args: argparse.Namespace) -> int:
             rows = client.list_tenants()["data"]
             print(
                 f"{'TENANT':<20} {'ACTIVE':>6} {'MAX JOBS':<12} {'CHIPS':>5} {'MAX CHIPS':<12} "
-                f"{'QUEUED':>6} {'MAX QUEUED':<12}  SET BY"
+                f"{'QUEUED':>6} {'MAX QUEUED':<12} {'CHIP-H MONTH':>12} {'BUDGET':<12}  SET BY"
             )
             for tenant in rows:
                 used = tenant["usage"]
                 by = _set_by(tenant) or "-"
-                jobs, chips, waiting = (_limit(tenant, field) for field in _LIMIT_FLAGS.values())
+                jobs, chips, waiting, budget = (_limit(tenant, field) for field in _LIMIT_FLAGS.values())
+                month = f"{used['chip_hours_this_month']:,.1f}"
                 print(
                     f"{tenant['name']:<20} {used['active_jobs']:>6} {jobs:<12} {used['chips']:>5} "
-                    f"{chips:<12} {used['queued_jobs']:>6} {waiting:<12}  {by}"
+                    f"{chips:<12} {used['queued_jobs']:>6} {waiting:<12} {month:>12} {budget:<12}  {by}"
                 )
             return 0
         if args.action == "set":
@@ -512,8 +514,8 @@ def tenants(args: argparse.Namespace) -> int:
                 )
             if not changes:
                 print(
-                    "tputune: error: say --max-jobs, --max-chips or --max-queued (a number, 'default' or "
-                    "'unlimited'), or --data-prefix",
+                    "tputune: error: say --max-jobs, --max-chips, --max-queued or --max-chip-hours (a "
+                    "number, 'default' or 'unlimited'), or --data-prefix",
                     file=sys.stderr,
                 )
                 return 2
@@ -528,6 +530,8 @@ def tenants(args: argparse.Namespace) -> int:
         f"  jobs:  {used['active_jobs']} active, limit {jobs}; {used['queued_jobs']} queued, limit {queued}"
     )
     print(f"  {tenant['chip_unit']}: {used['chips']} held, limit {_limit(tenant, 'max_active_chips')}")
+    budget = _limit(tenant, "max_chip_hours_per_month")
+    print(f"  chip-hours this month (UTC): {used['chip_hours_this_month']:,.2f}, budget {budget}")
     prefixes = tenant["data_prefixes"]
     where = ", ".join(prefixes) if prefixes is not None else "anywhere"
     if tenant["own_data_prefixes"] is None and prefixes is not None:
@@ -792,6 +796,13 @@ def parser() -> argparse.ArgumentParser:
         default=False,
         help="jobs waiting to start; more are refused (0: no new jobs); 'default': the server's; "
         "'unlimited': none",
+    )
+    a.add_argument(
+        "--max-chip-hours",
+        type=_limit_arg,
+        default=False,
+        help="chip-hours its jobs may hold in a calendar month (UTC); then its queued jobs wait for the "
+        "next month; 'default': the server's; 'unlimited': none",
     )
     a.add_argument(
         "--data-prefix",

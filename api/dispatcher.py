@@ -86,6 +86,7 @@ class Dispatcher:
         self._cursor: dict[str, int] = {}
         self._tenant_jobs: dict[str, list[Any]] = {}
         self._limits: dict[str, Tenant] | None = None  # the tenants' own limits, read once a pass
+        self._month_spent = tenants.MonthSpent(settings)  # (what monthly chip-hour budgets count)
         # Jobs of this pass whose data is unusable, with why: they fail together (_fail_unusable).
         self._unusable: list[tuple[int, str, str]] = []  # (seq, error code, message)
         # Queued jobs of this pass whose local data _queued_page found usable: _claim does not check again.
@@ -408,6 +409,19 @@ class Dispatcher:
                 return (
                     f"{TEAM_WAIT}your team's running jobs hold {used} of its {max_chips} {what}; "
                     f"this job needs {needed}."
+                )
+        budget = limits.max_chip_hours_per_month
+        if budget is not None:
+            if budget == 0:
+                return (
+                    f"{TEAM_WAIT}your team may use no chip-hours now (budget 0); ask your admin to raise it."
+                )
+            held = self._month_spent.hours(session).get(job.tenant, 0.0)
+            if held >= budget:
+                until = tenants.next_month(utcnow())
+                return (
+                    f"{TEAM_WAIT}your team's jobs held {held:,.0f} of its {budget:,} chip-hours this month; "
+                    f"it starts on {until:%Y-%m-%d} (UTC), or once an admin raises the budget."
                 )
         return None
 

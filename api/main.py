@@ -35,7 +35,7 @@ from api.reader import QueuePlaces, make_reader
 from api.routes import audit, dashboard, health, jobs, keys, tenants, webhooks
 from api.settings import Settings
 from api.streams import EVENTS, LOGS, EventWatch, SharedKeyStreams, Streams
-from api.tenants import LimitsCache
+from api.tenants import LimitsCache, MonthSpent
 from api.usage import USAGE_STATS_FILE, UsageStats
 from api.writer import make_writer
 
@@ -233,6 +233,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
     app.state.leader = dispatcher.leader if isinstance(dispatcher, Dispatcher) else None
     app.state.auth = Authenticator(engine, settings, buckets)
     app.state.tenant_limits = LimitsCache(engine, settings)
+    app.state.month_spent = MonthSpent(settings)
     app.state.metrics = metrics
     app.state.streams = streams
     app.state.event_watch = EventWatch(job_reader)

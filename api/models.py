@@ -181,6 +181,7 @@ class Tenant(SQLModel, table=True):
     max_active_jobs: int | None = None
     max_active_chips: int | None = None
     max_queued_jobs: int | None = None
+    max_chip_hours_per_month: int | None = None
     # Where its jobs may read and write (api.validation.check_data_scope): prefixes, or "any" (anywhere,
     # whatever the server's); NULL: the server's (TPUTUNE_TENANT_DATA_PREFIXES).
     data_prefixes: list[str] | str | None = Field(default=None, sa_column=Column(JSON, nullable=True))

@@ -120,6 +120,8 @@ _LIMITS_HELP = {
     "limits)",
     "max_active_chips": "The TPU chips (local executor: processes) each tenant's active jobs may hold",
     "max_queued_jobs": "The jobs each tenant may have queued; POST /jobs over it gets 429",
+    "max_chip_hours_per_month": "The chip-hours (local executor: process-hours) each tenant's jobs may hold "
+    "in a calendar month (UTC)",
 }
 
 

@@ -183,6 +183,13 @@ class Settings(BaseSettings):
         description="Jobs one tenant may have queued (waiting to start) at once; POST /jobs over it is "
         "refused with 429 (too_many_queued_jobs), so that a runaway script cannot fill the queue.",
     )
+    tenant_max_chip_hours_per_month: int | None = Field(
+        default=None,
+        ge=1,
+        description="Chip-hours (local executor: process-hours) one tenant's jobs may hold in a calendar "
+        "month (UTC), as GET /usage counts them; once they have, its queued jobs wait until the next month "
+        "(running ones go on).",
+    )
 
     # --- webhooks (api.webhooks) ---
     webhooks_enabled: bool = Field(

@@ -490,27 +490,29 @@ def test_tenants_commands(live_api, dataset: Path, capsys) -> None:  # type: ign
         "tenant research",
         "  jobs:  0 active, limit none; 0 queued, limit none",
         "  processes: 0 held, limit 8 (server)",
+        "  chip-hours this month (UTC): 0.00, budget none",
         "  data:  anywhere",
     ]
     code, out, err = run(api, capsys, *member, "tenants", "set", "research", "--max-jobs", "9")
     assert code == 3 and "(admin_only)" in err
-    limits = ("--max-jobs", "2", "--max-chips", "4", "--max-queued", "1")
+    limits = ("--max-jobs", "2", "--max-chips", "4", "--max-queued", "1", "--max-chip-hours", "100")
     code, out, _ = run(api, capsys, *admin, "tenants", "set", "research", *limits)
-    assert code == 0 and out.splitlines()[1:3] == [
+    assert code == 0 and out.splitlines()[1:4] == [
         "  jobs:  0 active, limit 2; 0 queued, limit 1",
         "  processes: 0 held, limit 4",
+        "  chip-hours this month (UTC): 0.00, budget 100",
     ]
-    assert out.splitlines()[4].startswith(
+    assert out.splitlines()[5].startswith(
         "  limits set by the admin at " + time.strftime("%Y-%m-%d", time.gmtime())
     )
     where = ("--data-prefix", "gs://ml-data/{tenant}/", "--data-prefix", str(dataset.parent))
     code, out, _ = run(api, capsys, *admin, "tenants", "set", "research", *where)
-    assert code == 0 and out.splitlines()[3:5] == [
+    assert code == 0 and out.splitlines()[4:6] == [
         f"  data:  gs://ml-data/research, {dataset.parent}",
         "         and may read gs://gemma-data",
     ]
     code, out, _ = run(api, capsys, *admin, "tenants", "set", "research", "--data-prefix", "any")
-    assert code == 0 and out.splitlines()[3] == "  data:  anywhere"
+    assert code == 0 and out.splitlines()[4] == "  data:  anywhere"
     # Over the limit on queued jobs, `submit` says so.
     job = ("submit", "--name", "a", "--model", "tiny", "--dataset", str(dataset))
     assert run(api, capsys, *member, *job)[0] == 0
@@ -526,21 +528,24 @@ def test_tenants_commands(live_api, dataset: Path, capsys) -> None:  # type: ign
     assert code == 0 and out.splitlines()[2] == "  processes: 0 held, limit unlimited"
     code, out, _ = run(api, capsys, *admin, "tenants", "list")
     assert code == 0 and out.splitlines()[0].split() == [
-        "TENANT", "ACTIVE", "MAX", "JOBS", "CHIPS", "MAX", "CHIPS", "QUEUED", "MAX", "QUEUED", "SET", "BY"
+        "TENANT", "ACTIVE", "MAX", "JOBS", "CHIPS", "MAX", "CHIPS", "QUEUED", "MAX", "QUEUED", "CHIP-H",
+        "MONTH", "BUDGET", "SET", "BY"
     ]  # fmt: skip
     rows = {line.split()[0]: line.split()[1:8] for line in out.splitlines()[1:]}
     assert rows == {
-        "infra": ["0", "none", "0", "unlimited", "0", "none", "the"],
+        "infra": ["0", "none", "0", "unlimited", "0", "none", "0.0"],
         "ops": ["0", "0", "0", "8", "(server)", "0", "none"],
         "research": ["0", "2", "0", "8", "(server)", "1", "1"],
     }
+    research = next(line.split() for line in out.splitlines() if line.startswith("research"))
+    assert research[8:10] == ["0.0", "100"]  # (chip-hours this month, of its budget)
     code, out, _ = run(api, capsys, *admin, "tenants", "show", "ops")
     assert code == 0 and out.splitlines()[1] == "  jobs:  0 active, limit 0; 0 queued, limit none"
     with pytest.raises(SystemExit):
         main(["tenants", "set", "ops", "--max-jobs", "lots"])
     assert "expected a number, 'default' or 'unlimited'" in capsys.readouterr().err
     code, _, err = run(api, capsys, *admin, "tenants", "set", "ops")
-    assert code == 2 and "--max-jobs, --max-chips or --max-queued" in err and "--data-prefix" in err
+    assert code == 2 and "--max-queued or --max-chip-hours" in err and "--data-prefix" in err
 
     since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 7 * 86400))
     code, out, _ = run(api, capsys, *member, "usage", "--since", since)

@@ -781,7 +781,7 @@ def test_the_teams_page_sets_limits_and_a_team_sees_its_own(
     page.get_by_label("Jobs active at once").fill("1")
     page.get_by_role("button", name="Save limits").click()
     expect(alpha.locator(".jobs")).to_have_text("0 of 1")
-    expect(alpha.locator("td").nth(6)).to_contain_text("the admin")
+    expect(alpha.locator("td").nth(7)).to_contain_text("the admin")
     expect(alpha.locator(".data")).to_have_text("anywhere")
     expect(page.get_by_label("Tenant", exact=True)).to_have_value("")  # (the form is cleared)
     page.get_by_role("button", name="Edit alpha").click()  # (the form holds its own limits)
@@ -790,12 +790,19 @@ def test_the_teams_page_sets_limits_and_a_team_sees_its_own(
     expect(page.get_by_label("TPU chips its jobs may hold")).to_have_value("")
     page.get_by_label("TPU chips its jobs may hold").fill("2")
     page.get_by_label("Jobs queued at once").fill("1")
+    page.get_by_label("Chip-hours its jobs may hold in a calendar month").fill("100")
     page.get_by_role("button", name="Save limits").click()
     expect(alpha.locator(".chips")).to_have_text("0 of 2")
     expect(alpha.locator(".queued")).to_have_text("1 of 1")
+    expect(alpha.locator(".month")).to_have_text(re.compile(r"^[0-9.]+ of 100$"))  # (this month's, of it)
     with api.client() as http:
         own = http.get("/admin/tenants/alpha", headers=admin).json()["own_limits"]
-    assert own == {"max_active_jobs": 1, "max_active_chips": 2, "max_queued_jobs": 1}
+    assert own == {
+        "max_active_jobs": 1,
+        "max_active_chips": 2,
+        "max_queued_jobs": 1,
+        "max_chip_hours_per_month": 100,
+    }
     # `unlimited`: none for the team, whatever the server's; the form shows it as it is set.
     page.get_by_role("button", name="Edit alpha").click()
     page.get_by_label("TPU chips its jobs may hold").fill("unlimited")

@@ -74,7 +74,7 @@ def test_metrics_show_each_tenants_jobs_and_chips(
         # Limits: the server's hold for a tenant without its own; one with none shows none.
         own = {"max_active_jobs": 3, "max_active_chips": None}
         assert client.patch("/admin/tenants/beta", json=own, headers=bearer(ADMIN)).status_code == 200
-        own = {"max_active_chips": 16, "max_queued_jobs": 0}
+        own = {"max_active_chips": 16, "max_queued_jobs": 0, "max_chip_hours_per_month": 500}
         assert client.patch("/admin/tenants/delta", json=own, headers=bearer(ADMIN)).status_code == 200
         body = client.get("/metrics").text
     lines = {line for line in body.splitlines() if line.startswith("tputune_tenant_")}
@@ -90,6 +90,7 @@ def test_metrics_show_each_tenants_jobs_and_chips(
         'tputune_tenant_max_active_chips{tenant="beta"} 32.0',
         'tputune_tenant_max_active_chips{tenant="delta"} 16.0',
         'tputune_tenant_max_queued_jobs{tenant="delta"} 0.0',
+        'tputune_tenant_max_chip_hours_per_month{tenant="delta"} 500.0',
     }
     assert 'tputune_jobs{status="cancelled"} 2.0' in body
 

@@ -22,6 +22,7 @@ from sqlmodel import Session, col, select
 
 from api import jobs as service
 from api import tenants
+from api.db import make_engine
 from api.main import create_app
 from api.models import Job, JobEvent, Tenant
 from api.settings import Settings
@@ -63,8 +64,15 @@ def body(dataset: Path, processes: int = 1, fake: str = "succeed") -> dict[str, 
     }
 
 
-def limits(jobs: int | None, chips: int | None, queued: int | None = None) -> dict[str, int | None]:
-    return {"max_active_jobs": jobs, "max_active_chips": chips, "max_queued_jobs": queued}
+def limits(
+    jobs: int | None, chips: int | None, queued: int | None = None, hours: int | None = None
+) -> dict[str, int | None]:
+    return {
+        "max_active_jobs": jobs,
+        "max_active_chips": chips,
+        "max_queued_jobs": queued,
+        "max_chip_hours_per_month": hours,
+    }
 
 
 def test_an_admin_sets_a_tenants_limits_and_the_team_sees_them(app_client: TestClient, dataset: Path) -> None:
@@ -76,7 +84,7 @@ def test_an_admin_sets_a_tenants_limits_and_the_team_sees_them(app_client: TestC
         "name": "research",
         "limits": limits(None, 8),  # the server's
         "own_limits": limits(None, None),
-        "usage": {"active_jobs": 0, "queued_jobs": 0, "chips": 0},
+        "usage": {"active_jobs": 0, "queued_jobs": 0, "chips": 0, "chip_hours_this_month": 0.0},
         "chip_unit": "processes",
         "data_prefixes": None,  # (anywhere: the server has no TPUTUNE_TENANT_DATA_PREFIXES)
         "own_data_prefixes": None,
@@ -112,6 +120,8 @@ def test_an_admin_sets_a_tenants_limits_and_the_team_sees_them(app_client: TestC
         ({"max_active_jobs": "many"}, "max_active_jobs"),
         ({"max_queued_jobs": -1}, "max_queued_jobs"),
         ({"max_queued_jobs": 1_000_001}, "max_queued_jobs"),
+        ({"max_chip_hours_per_month": -3}, "max_chip_hours_per_month"),
+        ({"max_chip_hours_per_month": 1.5}, "max_chip_hours_per_month"),
         ({"max_jobs": 3}, "max_jobs"),
     ]:
         response = app_client.patch("/admin/tenants/research", json=wrong, headers=admin)
@@ -127,11 +137,21 @@ def test_an_admin_sets_a_tenants_limits_and_the_team_sees_them(app_client: TestC
     # Every team with a key, limits or jobs, with what its jobs hold.
     assert app_client.post("/jobs", json=body(dataset, 2), headers=bearer(vision)).status_code == 201
     made = app_client.patch("/admin/tenants/newteam", json={"max_active_chips": 16}, headers=admin)
-    assert made.json()["usage"] == {"active_jobs": 0, "queued_jobs": 0, "chips": 0}
+    assert made.json()["usage"] == {
+        "active_jobs": 0,
+        "queued_jobs": 0,
+        "chips": 0,
+        "chip_hours_this_month": 0.0,
+    }
     listed = app_client.get("/admin/tenants", headers=admin).json()["data"]
     assert [t["name"] for t in listed] == ["newteam", "research", "vision"]
     by_name = {t["name"]: t for t in listed}
-    assert by_name["vision"]["usage"] == {"active_jobs": 0, "queued_jobs": 1, "chips": 0}
+    assert by_name["vision"]["usage"] == {
+        "active_jobs": 0,
+        "queued_jobs": 1,
+        "chips": 0,
+        "chip_hours_this_month": 0.0,
+    }
     assert by_name["newteam"]["limits"] == limits(None, 16)
     one = app_client.get("/admin/tenants/vision", headers=admin).json()
     assert one == by_name["vision"]
@@ -182,7 +202,7 @@ def test_usage_counts_active_jobs_and_their_chips(app_client: TestClient, datase
             session.execute(update(Job).where(Job.id == job_id).values(status=status))  # type: ignore[arg-type]
         session.commit()
     mine = app_client.get("/tenant", headers=research).json()
-    assert mine["usage"] == {"active_jobs": 2, "queued_jobs": 1, "chips": 3}
+    assert mine["usage"] == {"active_jobs": 2, "queued_jobs": 1, "chips": 3, "chip_hours_this_month": 0.0}
 
 
 def test_a_job_bigger_than_its_teams_chip_limit_is_refused(
@@ -402,7 +422,7 @@ def test_the_dispatcher_holds_each_tenants_jobs_to_its_own_limits(live_api, data
         api.headers = keys["research"]
         api.wait_for(second, lambda j: j["status"] == "running", timeout=15)
         mine = http.get("/tenant", headers=keys["research"]).json()
-        assert mine["usage"] == {"active_jobs": 2, "queued_jobs": 0, "chips": 2}
+        assert mine["usage"] == {"active_jobs": 2, "queued_jobs": 0, "chips": 2, "chip_hours_this_month": 0.0}
 
         # 0: nothing new starts; what runs goes on.
         assert http.patch("/admin/tenants/research", json={"max_active_jobs": 0}).status_code == 200
@@ -452,6 +472,76 @@ def test_the_dispatcher_holds_each_tenants_jobs_to_its_own_limits(live_api, data
             mine
             >= 2 * (datetime.fromisoformat(ran[-1]) - datetime.fromisoformat(ran[0])).total_seconds() / 3600
         )
+
+
+def test_a_team_that_used_its_months_chip_hours_waits_for_a_higher_budget(  # type: ignore[no-untyped-def]
+    live_api, dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A monthly chip-hour budget: once a team's jobs held it this month (as GET /usage counts them), its
+    queued jobs wait, saying until when, and another team's run; the team sees the hours; a higher budget
+    starts them. Counted from the month's start: a job of last month's counts for its hours in this one."""
+    real = datetime.now(UTC)
+    start = tenants.month_start(real)
+    # (The job below held its processes for the last two hours: at least that far into the month.)
+    now = real if real - start >= timedelta(hours=3) else start + timedelta(days=1)
+    monkeypatch.setattr(tenants, "utcnow", lambda: now + (datetime.now(UTC) - real))
+    monkeypatch.setattr(tenants.MonthSpent, "SECONDS", 0.0)  # (read again each time: no 30 s to wait)
+    api = live_api(admin_key=ADMIN, rate_limit_per_second=0, dispatcher_process=False, max_local_processes=8)
+    api.headers = bearer(ADMIN)
+    with api.client() as http:
+        keys = {}
+        for team in ("research", "vision"):
+            keys[team] = bearer(http.post("/admin/keys", json={"tenant": team, "name": team}).json()["key"])
+        # research's jobs held 4 processes for the last two hours, and 4 more for the last hour of last month
+        # (written as the dispatcher would have; they stay queued until then)
+        assert http.patch("/admin/tenants/research", json={"max_active_jobs": 0}).status_code == 200
+        ran = [http.post("/jobs", json=body(dataset, 4), headers=keys["research"]).json()["id"] for _ in "ab"]
+        engine = make_engine(api.settings.database_url)
+        with Session(engine) as session:
+            for job_id, began, ended in (
+                (ran[0], now - timedelta(hours=2), now),
+                (ran[1], start - timedelta(hours=1), start),
+            ):
+                job = session.exec(select(Job).where(Job.id == job_id)).one()
+                job.status, job.admitted_at, job.started_at, job.finished_at = (
+                    "succeeded",
+                    began,
+                    began,
+                    ended,
+                )
+                session.add(job)
+            session.commit()
+        engine.dispose()
+        # (SQLite's julianday() may make the 8 hours 7.99999: a budget of 7 is clearly held)
+        budget = {"max_active_jobs": None, "max_chip_hours_per_month": 7}
+        set_budget = http.patch("/admin/tenants/research", json=budget).json()
+        assert set_budget["limits"]["max_chip_hours_per_month"] == 7
+        assert set_budget["own_limits"]["max_chip_hours_per_month"] == 7
+        mine = http.get("/tenant", headers=keys["research"]).json()
+        assert mine["usage"]["chip_hours_this_month"] == pytest.approx(8, abs=0.02)
+
+        waiting = http.post("/jobs", json=body(dataset), headers=keys["research"]).json()["id"]
+        until = tenants.next_month(now)
+        api.headers = keys["research"]
+        held = api.wait_for(waiting, lambda j: "chip-hours this month" in (j["status_message"] or ""))
+        assert held["status"] == "queued"
+        assert held["status_message"] == (
+            f"Waiting: your team's jobs held 8 of its 7 chip-hours this month; it starts on "
+            f"{until:%Y-%m-%d} (UTC), or once an admin raises the budget."
+        )
+        api.headers = keys["vision"]
+        other = http.post("/jobs", json=body(dataset), headers=keys["vision"]).json()["id"]
+        assert api.wait_for(other, lambda j: j["status"] in FINAL)["status"] == "succeeded"
+        api.headers = keys["research"]
+        assert http.get(f"/jobs/{waiting}", headers=keys["research"]).json()["status"] == "queued"
+
+        assert http.patch("/admin/tenants/research", json={"max_chip_hours_per_month": 9}).status_code == 200
+        assert api.wait_for(waiting, lambda j: j["status"] in FINAL)["status"] == "succeeded"
+        said = [e for e in events(http, waiting, keys["research"]) if (e["data"] or {}).get("waiting")]
+        assert [e["message"] for e in said] == [held["status_message"]]
+        listed = {t["name"]: t for t in http.get("/admin/tenants", headers=bearer(ADMIN)).json()["data"]}
+        assert listed["research"]["usage"]["chip_hours_this_month"] >= 8
+        assert listed["vision"]["limits"]["max_chip_hours_per_month"] is None
 
 
 def test_a_change_made_here_outlives_a_read_that_began_before_it() -> None:

@@ -51,12 +51,17 @@ class LimitValues(BaseModel):
     max_queued_jobs: int | None = Field(
         description="Jobs it may have waiting to start; POST /jobs over it is refused (429)."
     )
+    max_chip_hours_per_month: int | None = Field(
+        description="Chip-hours (local executor: process-hours) its jobs may hold in a calendar month "
+        "(UTC); once they have, its queued jobs wait for the next month (running ones go on)."
+    )
 
 
 class OwnLimitValues(BaseModel):
     max_active_jobs: int | Literal["unlimited"] | None
     max_active_chips: int | Literal["unlimited"] | None
     max_queued_jobs: int | Literal["unlimited"] | None
+    max_chip_hours_per_month: int | Literal["unlimited"] | None
 
 
 def _own(row: Tenant | None, field: str) -> int | Literal["unlimited"] | None:
@@ -80,6 +85,10 @@ class TenantUsage(BaseModel):
     active_jobs: int = Field(description="Jobs starting, running or cancelling: what max_active_jobs counts.")
     queued_jobs: int = Field(description="Jobs waiting to start.")
     chips: int = Field(description="TPU chips (local executor: processes) its active jobs hold.")
+    chip_hours_this_month: float = Field(
+        description="Chip-hours its jobs held this calendar month (UTC), as GET /usage counts them: what "
+        "max_chip_hours_per_month counts (read at most every 30 s)."
+    )
 
 
 class TenantPublic(BaseModel):
@@ -111,7 +120,9 @@ class TenantPublic(BaseModel):
     updated_by: str | None = Field(description="Who did.")
 
     @classmethod
-    def of(cls, name: str, row: Tenant | None, used: Usage | None, settings: Settings) -> TenantPublic:
+    def of(
+        cls, name: str, row: Tenant | None, used: Usage | None, hours: float, settings: Settings
+    ) -> TenantPublic:
         limits = Limits.of(row, settings, name)
         prefixes = limits.data_prefixes
         return cls(
@@ -122,6 +133,7 @@ class TenantPublic(BaseModel):
                 active_jobs=used.active_jobs if used else 0,
                 queued_jobs=used.queued_jobs if used else 0,
                 chips=used.chips if used else 0,
+                chip_hours_this_month=round(hours, 4),
             ),
             chip_unit=chip_unit(settings),
             data_prefixes=list(prefixes) if prefixes is not None else None,
@@ -155,6 +167,13 @@ class TenantLimitsUpdate(BaseModel):
         default=None,
         description="Jobs it may have waiting to start; a new job over it is refused with 429 "
         "too_many_queued_jobs (0: none are accepted); null: the server's TPUTUNE_TENANT_MAX_QUEUED_JOBS.",
+    )
+    max_chip_hours_per_month: Annotated[int, Field(ge=0, le=LIMIT_MAX)] | Literal["unlimited"] | None = Field(
+        default=None,
+        description="Chip-hours (local executor: process-hours) its jobs may hold in a calendar month (UTC), "
+        "as GET /usage counts them; once they have, its queued jobs wait for the next month or a higher "
+        "budget, and running ones go on (0: none start); null: the server's "
+        "TPUTUNE_TENANT_MAX_CHIP_HOURS_PER_MONTH.",
     )
 
     data_prefixes: list[str] | Literal["any"] | None = Field(
@@ -190,7 +209,7 @@ class TenantLimitsUpdate(BaseModel):
         try:
             return handler(value)
         except ValidationError:
-            least = 1 if info.field_name == "max_active_chips" else 0
+            least = 1 if info.field_name == "max_active_chips" else 0  # (0 jobs, hours: none start)
             raise PydanticCustomError(
                 "invalid_limit",
                 f'expected a whole number from {least} to {LIMIT_MAX:,}, "unlimited" (no limit for the '
@@ -202,6 +221,7 @@ class TenantLimitsUpdate(BaseModel):
         "json_schema_extra": {
             "examples": [
                 {"max_active_jobs": 4, "max_active_chips": 64, "max_queued_jobs": 100},
+                {"max_chip_hours_per_month": 20000},
                 {"max_active_jobs": "unlimited", "max_active_chips": "unlimited"},
                 {"data_prefixes": ["gs://ml-data/teams/research", "gs://ml-data/shared/eval"]},
             ]
@@ -215,10 +235,10 @@ _admin_errors: dict[int | str, dict] = {
 TenantName = Annotated[str, Path(min_length=1, max_length=64, pattern=TENANT_NAME)]
 
 
-def _tenant(session: Session, settings: Settings, name: str) -> TenantPublic:
-    return TenantPublic.of(
-        name, session.get(Tenant, name), usage(session, settings, name).get(name), settings
-    )
+def _tenant(request: Request, session: Session, settings: Settings, name: str) -> TenantPublic:
+    hours = request.app.state.month_spent.hours(session, name).get(name, 0.0)
+    row, used = session.get(Tenant, name), usage(session, settings, name).get(name)
+    return TenantPublic.of(name, row, used, hours, settings)
 
 
 @router.get(
@@ -226,9 +246,11 @@ def _tenant(session: Session, settings: Settings, name: str) -> TenantPublic:
     response_model=TenantPublic,
     summary="Your team: its limits, and what its jobs hold now",
 )
-def own_tenant(principal: PrincipalDep, session: SessionDep, settings: SettingsDep) -> Response:
+def own_tenant(
+    request: Request, principal: PrincipalDep, session: SessionDep, settings: SettingsDep
+) -> Response:
     """The tenant of the caller's key (of an admin key: the one it was made for)."""
-    return json_response(_tenant(session, settings, principal.tenant))
+    return json_response(_tenant(request, session, settings, principal.tenant))
 
 
 @router.get(
@@ -237,12 +259,18 @@ def own_tenant(principal: PrincipalDep, session: SessionDep, settings: SettingsD
     responses=_admin_errors,
     summary="Every tenant: limits and use",
 )
-def list_tenants(session: SessionDep, settings: SettingsDep, _admin: LimitsAdminDep) -> Response:
+def list_tenants(
+    request: Request, session: SessionDep, settings: SettingsDep, _admin: LimitsAdminDep
+) -> Response:
     """Every tenant that has limits of its own, API keys, or unfinished jobs, by name."""
     rows = load(session)
     used = usage(session, settings)
+    hours = request.app.state.month_spent.hours(session)
     names = set(rows) | set(used) | set(session.exec(select(ApiKey.tenant).distinct()))
-    data = [TenantPublic.of(name, rows.get(name), used.get(name), settings) for name in sorted(names)]
+    data = [
+        TenantPublic.of(name, rows.get(name), used.get(name), hours.get(name, 0.0), settings)
+        for name in sorted(names)
+    ]
     return json_response(TenantList(data=data))
 
 
@@ -253,10 +281,10 @@ def list_tenants(session: SessionDep, settings: SettingsDep, _admin: LimitsAdmin
     summary="A tenant's limits and use",
 )
 def get_tenant(
-    name: TenantName, session: SessionDep, settings: SettingsDep, _admin: LimitsAdminDep
+    name: TenantName, request: Request, session: SessionDep, settings: SettingsDep, _admin: LimitsAdminDep
 ) -> Response:
     """Any tenant name: one without keys or jobs yet has the server's limits and uses nothing."""
-    return json_response(_tenant(session, settings, name))
+    return json_response(_tenant(request, session, settings, name))
 
 
 @router.patch(
@@ -310,7 +338,7 @@ def set_tenant_limits(
     request.app.state.tenant_limits.put(row)
     if request.app.state.dispatcher is not None:
         request.app.state.dispatcher.wake()  # (queued jobs that now fit start)
-    return json_response(_tenant(session, settings, name))
+    return json_response(_tenant(request, session, settings, name))
 
 
 class TenantSpent(BaseModel):

@@ -33,6 +33,7 @@ function row(tenant, spent) {
     form.elements.jobs.value = tenant.own_limits.max_active_jobs ?? "";
     form.elements.chips.value = tenant.own_limits.max_active_chips ?? "";
     form.elements.queued.value = tenant.own_limits.max_queued_jobs ?? "";
+    form.elements.budget.value = tenant.own_limits.max_chip_hours_per_month ?? "";
     const own = tenant.own_data_prefixes;
     form.elements.data.value = own === null ? "" : own === "any" ? "any" : own.join("\n");
     form.elements.jobs.focus();
@@ -44,6 +45,10 @@ function row(tenant, spent) {
     el("td", { text: ofLimit(tenant.usage.chips, tenant, "max_active_chips"), className: "num chips" }),
     el("td", { text: ofLimit(tenant.usage.queued_jobs, tenant, "max_queued_jobs"), className: "num queued" }),
     el("td", { text: formatNumber(spent?.chip_hours ?? 0, 3), className: "num spent" }),
+    el("td", {
+      text: ofLimit(formatNumber(tenant.usage.chip_hours_this_month, 3), tenant, "max_chip_hours_per_month"),
+      className: "num month",
+    }),
     el("td", { text: where(tenant), className: "data" }),
     el("td", { text: set.trim(), className: "muted" }),
     el("td", {}, [edit]),
@@ -86,6 +91,7 @@ onSubmit(form, async (event) => {
         max_active_jobs: limit("jobs"),
         max_active_chips: limit("chips"),
         max_queued_jobs: limit("queued"),
+        max_chip_hours_per_month: limit("budget"),
         data_prefixes: prefixes(data.get("data")),
       }),
     });
