@@ -845,8 +845,11 @@ def test_the_teams_page_sets_limits_and_a_team_sees_its_own(
     # The team sees its limits over its jobs; a member key gets the API's sentence on the teams page.
     team = sign_in(open_tab(api, "/ui/").page, member)
     expect(team.locator("#quota")).to_have_text(
-        "Your team (alpha): 0 of 1 jobs active · 0 of 2 processes held · 1 of 1 queued. "
-        "Over a limit, jobs wait queued. The queue is full: new jobs are refused until some start."
+        re.compile(
+            r"^Your team \(alpha\): 0 of 1 jobs active · 0 of 2 processes held · 1 of 1 queued · "
+            r"[0-9] of 100 chip-hours this month\. Over a limit, jobs wait queued\. The queue is full: new "
+            r"jobs are refused until some start\.$"
+        )
     )
     team.goto(f"{api.url}/ui/tenants")
     expect(team.locator("#tenants-error")).to_have_text(

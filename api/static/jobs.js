@@ -81,6 +81,10 @@ async function showQuota() {
     `${of(tenant.usage.chips, limits.max_active_chips)} ${tenant.chip_unit} held`,
     `${of(tenant.usage.queued_jobs, limits.max_queued_jobs)} queued`,
   ];
+  if (limits.max_chip_hours_per_month !== null) {
+    const hours = Math.round(tenant.usage.chip_hours_this_month).toLocaleString("en-US");
+    parts.push(`${hours} of ${limits.max_chip_hours_per_month.toLocaleString("en-US")} chip-hours this month`);
+  }
   const full = limits.max_queued_jobs !== null && tenant.usage.queued_jobs >= limits.max_queued_jobs;
   const over = full ? " The queue is full: new jobs are refused until some start." : "";
   quota.textContent = `Your team (${tenant.name}): ${parts.join(" · ")}. Over a limit, jobs wait queued.${over}`;
