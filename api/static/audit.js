@@ -8,6 +8,7 @@ const form = document.getElementById("audit-filter");
 const older = document.getElementById("audit-older");
 const empty = document.getElementById("audit-empty");
 let next = null; // the `after` of the next (older) page
+let shown = null; // the filters of the rows shown: "Older" keeps to them, whatever the form says since
 
 // What changed, one line a field: "max_active_jobs: 4 → unlimited", "url: https://hooks.example.com/…".
 function changes(details) {
@@ -36,9 +37,10 @@ async function load(more) {
   const params = new URLSearchParams({ limit: String(PAGE) });
   const data = new FormData(form);
   for (const name of ["tenant", "action"]) {
-    const value = data.get(name).trim();
+    const value = more ? shown?.get(name) : data.get(name).trim();
     if (value) params.set(name, value);
   }
+  if (!more) shown = new URLSearchParams(params);
   if (more && next !== null) params.set("after", String(next));
   await showingErrors(error, async () => {
     const page = await api(`/audit?${params}`);
