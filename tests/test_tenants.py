@@ -549,6 +549,46 @@ def test_a_team_that_used_its_months_chip_hours_waits_for_a_higher_budget(  # ty
         assert listed["vision"]["limits"]["max_chip_hours_per_month"] is None
 
 
+def test_a_months_chip_hours_are_read_once_for_every_team_and_again_in_a_new_month(
+    app_client: TestClient, dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """api.tenants.MonthSpent: every team's hours read once serve each team's (a team that ran nothing has
+    none) for SECONDS; a new month is read again, whatever the cache says."""
+    real = datetime.now(UTC)
+    now = tenants.month_start(real) + timedelta(days=10)  # (mid-month, whenever this runs)
+    clock = {"now": now}
+    monkeypatch.setattr(tenants, "utcnow", lambda: clock["now"])
+    engine = app_client.app.state.engine  # type: ignore[attr-defined]
+    settings = app_client.app.state.settings  # type: ignore[attr-defined]
+    for team, processes in (("research", 2), ("vision", 1)):
+        key = bearer(make_key(app_client, team))
+        job_id = app_client.post("/jobs", json=body(dataset, processes), headers=key).json()["id"]
+        with Session(engine) as session:
+            job = session.exec(select(Job).where(Job.id == job_id)).one()
+            began = now - timedelta(hours=3)
+            job.status, job.admitted_at, job.started_at, job.finished_at = "succeeded", began, began, now
+            session.add(job)
+            session.commit()
+    month = tenants.MonthSpent(settings)
+    with Session(engine) as session:
+        every = month.hours(session)
+        assert every == pytest.approx({"research": 6.0, "vision": 3.0}, abs=0.01)
+        with Session(engine) as other:  # (another job of research's since: not seen for SECONDS)
+            other.execute(
+                update(Job).where(col(Job.tenant) == "research").values(finished_at=now + timedelta(hours=1))
+            )
+            other.commit()
+        assert month.hours(session, "research") == pytest.approx({"research": 6.0}, abs=0.01)
+        assert month.hours(session, "nobody") == {}
+        clock["now"] = now + timedelta(hours=2)  # (still this month: what it read holds)
+        assert month.hours(session)["research"] == pytest.approx(6.0, abs=0.01)
+        month.forget()
+        assert month.hours(session, "research") == pytest.approx({"research": 8.0}, abs=0.01)
+        # The next month: read again (the jobs ended in this one: nothing).
+        clock["now"] = tenants.next_month(now) + timedelta(hours=1)
+        assert month.hours(session) == {}
+
+
 def test_a_change_made_here_outlives_a_read_that_began_before_it() -> None:
     """An API process's cache of the limits, read again in the background: a read that began before a
     change made through this process (it may hold the old row) does not put the old limit back."""
