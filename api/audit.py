@@ -14,9 +14,11 @@ from urllib.parse import urlsplit
 
 from sqlmodel import Session, col, select
 
+from api import (
+    observability,  # (the module, not its names: it imports the webhook sender, which imports this)
+)
 from api.auth import Principal
 from api.models import AuditEvent, as_utc, utcnow
-from api.observability import request_id_var
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,8 @@ Action = Literal[
     "webhook.deleted",
 ]
 ACTIONS: tuple[str, ...] = get_args(Action)
+# The server itself, for what it changes on its own: an endpoint failing for long, disabled by the sender.
+SERVER = Principal(tenant="", key_id="server")
 
 
 def record(
@@ -49,7 +53,7 @@ def record(
         target=target,
         actor_key_id=principal.key_id,
         actor_tenant=principal.tenant,
-        request_id=request_id_var.get(),
+        request_id=observability.request_id_var.get(),
         details=details or {},
     )
     session.add(event)

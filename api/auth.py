@@ -41,7 +41,7 @@ BUCKETS_FILE = "ratelimit.buckets"
 @dataclass(frozen=True)
 class Principal:
     tenant: str  # the tenant its jobs are created in
-    key_id: str  # "admin", "anonymous" or the API key's id
+    key_id: str  # "admin", "anonymous", "server" (api.audit.SERVER) or the API key's id
     is_admin: bool = False
     expires: str | None = None  # an API key's expiry, as the X-Tputune-Key-Expires header says it
     read_only: bool = False  # it may only read (GET, HEAD): api.deps.caller refuses anything else
@@ -55,7 +55,9 @@ class Principal:
     @property
     def who(self) -> str | None:
         """Who this is, as a job's events name the caller; None for the keyless single user."""
-        return {"anonymous": None, "admin": "the admin"}.get(self.key_id, f"key {self.key_id}")
+        return {"anonymous": None, "admin": "the admin", "server": "the server"}.get(
+            self.key_id, f"key {self.key_id}"
+        )
 
 
 ANONYMOUS = Principal(tenant=DEFAULT_TENANT, key_id="anonymous", is_admin=True)

@@ -564,7 +564,8 @@ def _change(value: Any) -> str:
 def audit_line(event: dict[str, Any]) -> str:
     """One audit event: when, what, whose, by whom, and what changed."""
     actor = event["actor"]
-    by = f"{actor['who']} ({actor['tenant']})" if actor["who"] else "the single user"
+    team = f" ({actor['tenant']})" if actor["tenant"] else ""
+    by = f"{actor['who']}{team}" if actor["who"] else "the single user"
     changes = []
     for field, value in event["details"].items():
         if isinstance(value, dict) and set(value) == {"from", "to"}:

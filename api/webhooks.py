@@ -55,6 +55,7 @@ from sqlalchemy import select as sa_select
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from api import audit
 from api.db import session_scope, upsert_insert
 from api.errors import ApiError
 from api.models import Job, JobEvent, Webhook, WebhookCursor, WebhookDelivery, as_utc, utcnow
@@ -791,6 +792,8 @@ class WebhookSender:
                 "endpoint, send it a test, and enable it again (PATCH /webhooks/{id} with enabled: true)."
             )
             disable(session, hook, reason, now)
+            changed = {"enabled": {"from": True, "to": False}, "reason": reason}
+            audit.record(session, audit.SERVER, "webhook.updated", hook.tenant, hook.id, changed)
             log.warning("webhook %s disabled: every delivery failed since %s", hook.id, since.isoformat())
 
     def _finished(self) -> list[tuple[Any, Attempt]]:

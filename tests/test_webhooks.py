@@ -607,6 +607,19 @@ def test_an_endpoint_failing_for_long_is_disabled_until_enabled(
         assert given_up["status"] == "failed" and given_up["attempts"] >= 5
         assert given_up["last_error"] == "not sent: the endpoint was disabled"
         assert 'tputune_webhooks{state="disabled"} 1.0' in client.get("/metrics").text
+        # The audit log says the server did it, and why.
+        logged = client.get("/audit", params={"target": hook["id"]}).json()["data"]
+        assert [(e["action"], e["actor"]) for e in logged] == [
+            ("webhook.updated", {"key_id": None, "tenant": None, "who": "the server"}),
+            ("webhook.created", {"key_id": None, "tenant": "default", "who": None}),
+        ]
+        assert logged[0]["details"] == {
+            "enabled": {"from": True, "to": False},
+            "reason": now["disabled_reason"],
+        }
+        assert logged[0]["request_id"] is None
+        server_did = client.get("/audit", params={"actor": "server"}).json()["data"]
+        assert [e["id"] for e in server_did] == [logged[0]["id"]]
         tries = len(receiver.requests)
         # Disabled: a move is not written for it, and nothing is sent.
         move(client, new_job(client, dataset), JobStatus.cancelled)

@@ -23,10 +23,13 @@ router = APIRouter(tags=["audit"], responses=error_responses(401, 413, 422, 429,
 class Actor(BaseModel):
     key_id: str | None = Field(
         description="The caller's API key (`admin`: the server's TPUTUNE_ADMIN_KEY); null: a server "
-        "without keys."
+        "without keys, or the server itself (`who`: the server)."
     )
-    tenant: str = Field(description="The team of that key.")
-    who: str | None = Field(description="As a job's events and `updated_by` name the caller.")
+    tenant: str | None = Field(description="The team of that key; null: the server itself.")
+    who: str | None = Field(
+        description="As a job's events and `updated_by` name the caller; `the server` for what it did on its "
+        "own (an endpoint that failed for TPUTUNE_WEBHOOK_DISABLE_AFTER_HOURS, disabled)."
+    )
 
 
 class AuditEventPublic(BaseModel):
@@ -51,15 +54,24 @@ class AuditEventPublic(BaseModel):
     @classmethod
     def of(cls, row: AuditEvent) -> AuditEventPublic:
         assert row.id is not None
-        key_id = None if row.actor_key_id == "anonymous" else row.actor_key_id
-        who = None if key_id is None else "the admin" if key_id == "admin" else f"key {key_id}"
+        server = row.actor_key_id == audit.SERVER.key_id
+        key_id = None if row.actor_key_id == "anonymous" or server else row.actor_key_id
+        who = (
+            "the server"
+            if server
+            else None
+            if key_id is None
+            else "the admin"
+            if key_id == "admin"
+            else f"key {key_id}"
+        )
         return cls(
             id=row.id,
             at=as_utc(row.at),  # type: ignore[arg-type]
             action=row.action,  # type: ignore[arg-type]
             tenant=row.tenant,
             target=row.target,
-            actor=Actor(key_id=key_id, tenant=row.actor_tenant, who=who),
+            actor=Actor(key_id=key_id, tenant=None if server else row.actor_tenant, who=who),
             request_id=row.request_id,
             details=row.details,
         )
@@ -95,7 +107,11 @@ def list_audit_events(
     ] = None,
     actor: Annotated[
         str | None,
-        Query(min_length=1, max_length=32, description="Only what this key did (its id, or `admin`)."),
+        Query(
+            min_length=1,
+            max_length=32,
+            description="Only what this key did (its id, `admin`, or `server`: what the server did itself).",
+        ),
     ] = None,
     target: Annotated[
         str | None,

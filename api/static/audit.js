@@ -22,7 +22,8 @@ function changes(details) {
 }
 
 function row(event) {
-  const by = event.actor.who ? `${event.actor.who} (${event.actor.tenant})` : "the single user";
+  const team = event.actor.tenant ? ` (${event.actor.tenant})` : "";
+  const by = event.actor.who ? `${event.actor.who}${team}` : "the single user";
   return el("tr", { attrs: { "data-id": String(event.id), "data-action": event.action } }, [
     el("td", { text: event.at.slice(0, 19).replace("T", " "), className: "mono" }),
     el("td", { text: event.action }),
