@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from api import audit
+from api.auth import ANONYMOUS, Principal
 from api.deps import PrincipalDep, SessionDep, json_response, own_tenant_only
 from api.errors import ApiError
 from api.models import MAX_ID, AuditEvent, as_utc
@@ -55,16 +56,8 @@ class AuditEventPublic(BaseModel):
     def of(cls, row: AuditEvent) -> AuditEventPublic:
         assert row.id is not None
         server = row.actor_key_id == audit.SERVER.key_id
-        key_id = None if row.actor_key_id == "anonymous" or server else row.actor_key_id
-        who = (
-            "the server"
-            if server
-            else None
-            if key_id is None
-            else "the admin"
-            if key_id == "admin"
-            else f"key {key_id}"
-        )
+        key_id = None if row.actor_key_id == ANONYMOUS.key_id or server else row.actor_key_id
+        who = Principal(tenant=row.actor_tenant, key_id=row.actor_key_id).who  # (as the caller was named)
         return cls(
             id=row.id,
             at=as_utc(row.at),  # type: ignore[arg-type]
