@@ -15,8 +15,8 @@ from api.auth import ANONYMOUS, Principal
 from api.deps import PrincipalDep, SessionDep, json_response, own_tenant_only
 from api.errors import ApiError
 from api.models import MAX_ID, AuditEvent, as_utc
-from api.routes.tenants import query_time
-from api.schemas import ErrorResponse, error_responses
+from api.routes.tenants import OWN_TENANT_ONLY, query_time
+from api.schemas import error_responses
 
 router = APIRouter(tags=["audit"], responses=error_responses(401, 413, 422, 429, 503))
 
@@ -80,7 +80,7 @@ class AuditPage(BaseModel):
 @router.get(
     "/audit",
     response_model=AuditPage,
-    responses={403: {"model": ErrorResponse, "description": "Another tenant's, asked with a tenant's key."}},
+    responses=OWN_TENANT_ONLY,
     summary="Who changed keys, teams' limits and webhooks, newest first",
 )
 def list_audit_events(

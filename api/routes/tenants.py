@@ -373,10 +373,16 @@ def query_time(value: datetime, param: str) -> datetime:
         ) from None
 
 
+# A route where an admin key names any tenant (`?tenant=`), and another key only its own.
+OWN_TENANT_ONLY: dict[int | str, dict] = {
+    403: {"model": ErrorResponse, "description": "Another tenant's, asked with a tenant's key."}
+}
+
+
 @router.get(
     "/usage",
     response_model=UsageReport,
-    responses={403: {"model": ErrorResponse, "description": "Another tenant's, asked with a tenant's key."}},
+    responses=OWN_TENANT_ONLY,
     summary="What each team's jobs ran: chip-hours and tokens",
 )
 def usage_report(
