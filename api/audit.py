@@ -57,8 +57,19 @@ def record(
         details=details or {},
     )
     session.add(event)
-    log.info("audit: %s %s (tenant %s) by %s", action, target, tenant, principal.who or "the single user")
+    who = principal.who or "the single user"
+    log.info("audit: %s %s (tenant %s) by %s: %s", action, target, tenant, who, event.details)
     return event
+
+
+def changes(before: dict[str, Any], after: dict[str, Any], *also: str) -> dict[str, Any]:
+    """The fields whose value differs between `before` and `after` (and those of `also`, changed in a way
+    the shown values do not tell), each `{"from", "to"}`: an event's details."""
+    return {
+        field: {"from": before[field], "to": value}
+        for field, value in after.items()
+        if before[field] != value or field in also
+    }
 
 
 def where(url: str) -> str:

@@ -385,20 +385,14 @@ class Dispatcher:
         if not limits.any:
             return None
         max_jobs, max_chips = limits.max_active_jobs, limits.max_active_chips
-        active = self._tenant_jobs.get(job.tenant)
-        if active is None:  # once per tenant and pass; the jobs it starts are added (_claim)
-            statement = select(Job.id, Job.spec).where(
-                Job.tenant == job.tenant, col(Job.status).in_(list(ACTIVE))
-            )
-            active = self._tenant_jobs[job.tenant] = list(session.exec(statement).all())
         if max_jobs == 0:
             return f"{TEAM_WAIT}your team may run no jobs now (limit 0); ask your admin to raise it."
-        if max_jobs is not None and len(active) >= max_jobs:
+        if max_jobs is not None and len(active := self._active(session, job.tenant)) >= max_jobs:
             running = "1 job of your team is" if len(active) == 1 else f"{len(active)} jobs of your team are"
             return f"{TEAM_WAIT}{running} running (limit {max_jobs})."
         if max_chips is not None:
             what = chip_unit(self.settings)
-            used = sum(held_chips(row, self.settings) for row in active)
+            used = sum(held_chips(row, self.settings) for row in self._active(session, job.tenant))
             needed = held_chips(job, self.settings)
             if needed > max_chips:  # (the limit was lowered after the job was accepted)
                 return (
@@ -424,6 +418,17 @@ class Dispatcher:
                     f"it starts on {until:%Y-%m-%d} (UTC), or once an admin raises the budget."
                 )
         return None
+
+    def _active(self, session: Session, tenant: str) -> list[Any]:
+        """`tenant`'s active jobs (id, spec): read once per tenant and pass, where a job or chip limit needs
+        them (not for a budget alone); the jobs it starts are added (_claim)."""
+        active = self._tenant_jobs.get(tenant)
+        if active is None:
+            statement = select(Job.id, Job.spec).where(
+                Job.tenant == tenant, col(Job.status).in_(list(ACTIVE))
+            )
+            active = self._tenant_jobs[tenant] = list(session.exec(statement).all())
+        return active
 
     def _follow(self, session: Session, job: Job) -> None:
         if job.status == JobStatus.cancelling:

@@ -702,7 +702,7 @@ class WebhookSender:
         # A few more than `room` at a time, in that order, until `room` are due: with many endpoints only
         # the first turns are sent (each job's oldest pending delivery, looked up for 3,000 candidates at
         # once, took most of a pass with 1,000 endpoints on PostgreSQL).
-        step = 2 * max(room, 1)
+        step = 2 * room  # (room > 0: send_due asks for none otherwise)
         for start in range(0, len(candidates), step):
             if len(due) >= room:
                 break

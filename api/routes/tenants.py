@@ -3,7 +3,6 @@ sets) every team's."""
 
 from __future__ import annotations
 
-import logging
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
@@ -30,8 +29,6 @@ from api.settings import Settings
 from api.tenants import ANYWHERE, LIMITS, UNLIMITED, Limits, Spent, Usage, load, spent, usage
 from api.validation import chip_unit
 from worker.config import check_prefix
-
-log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["tenants"], responses=error_responses(401, 413, 422, 429, 503))
 
@@ -317,12 +314,7 @@ def set_tenant_limits(
             setattr(row, field, value)
         row.updated_at, row.updated_by = utcnow(), admin.who
         session.add(row)
-        after = {field: _shown(row, field) for field in changes}
-        details = {
-            field: {"from": before[field], "to": after[field]}
-            for field in changes
-            if before[field] != after[field]
-        }
+        details = audit.changes(before, {field: _shown(row, field) for field in changes})
         if details:  # (a limit set to what it was changes nothing)
             audit.record(session, admin, "tenant.updated", name, name, details)
         try:
@@ -333,8 +325,7 @@ def set_tenant_limits(
             if attempt:
                 raise
             row = session.get(Tenant, name)
-    assert row is not None
-    log.info("tenant %s: limits %s set by %s", name, asked, admin.who or "the single user")
+    assert row is not None  # (what changed, by whom: the audit event's log line)
     request.app.state.tenant_limits.put(row)
     if request.app.state.dispatcher is not None:
         request.app.state.dispatcher.wake()  # (queued jobs that now fit start)

@@ -294,12 +294,8 @@ def update_webhook(
         reason = f"Disabled{by}; enable it with PATCH /webhooks/{row.id}."
         service.disable(session, row, reason)
     session.add(row)
-    after = _audited(row)
-    changed = {
-        field: {"from": before[field], "to": after[field]}
-        for field in after
-        if before[field] != after[field] or (field == "url" and row.url != old_url)  # (its path, unshown)
-    }
+    # (a URL whose path changed looks the same as the log shows it: said changed all the same)
+    changed = audit.changes(before, _audited(row), *(["url"] if row.url != old_url else []))
     if changed:
         audit.record(session, principal, "webhook.updated", row.tenant, row.id, changed)
     session.commit()
