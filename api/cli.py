@@ -531,7 +531,9 @@ def tenants(args: argparse.Namespace) -> int:
     )
     print(f"  {tenant['chip_unit']}: {used['chips']} held, limit {_limit(tenant, 'max_active_chips')}")
     budget = _limit(tenant, "max_chip_hours_per_month")
-    print(f"  chip-hours this month (UTC): {used['chip_hours_this_month']:,.2f}, budget {budget}")
+    has_budget = tenant["limits"]["max_chip_hours_per_month"] is not None
+    stops = "; running jobs pause at it" if has_budget and tenant.get("budget_pauses_running") else ""
+    print(f"  chip-hours this month (UTC): {used['chip_hours_this_month']:,.2f}, budget {budget}{stops}")
     prefixes = tenant["data_prefixes"]
     where = ", ".join(prefixes) if prefixes is not None else "anywhere"
     if tenant["own_data_prefixes"] is None and prefixes is not None:

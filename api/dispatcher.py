@@ -20,7 +20,7 @@ from api.datasets import DatasetUnavailable, StorageUnreachable, check_dataset
 from api.db import session_scope
 from api.errors import ApiError
 from api.executors import Discards, Executor, ExecutorUnavailable, Observation
-from api.models import Job, Tenant, utcnow
+from api.models import Job, JobEvent, Tenant, utcnow
 from api.observability import DispatcherStats, job_id_var
 from api.settings import Settings
 from api.states import ACTIVE, JobStatus
@@ -44,6 +44,9 @@ STOPPED = frozenset({EXIT_PREEMPTED, 128 + signal.SIGTERM, 128 + signal.SIGKILL}
 # The launch handle's record of the job's restarts before its run (a resumed job's: see _launch).
 RESTARTS_BEFORE = "restarts_before"
 TEAM_WAIT = service.TEAM_WAIT  # how the status message of a job held back by its team's limits begins
+# Why the server paused a job, in its move to `pausing` (its event's data "for"): its team's jobs held
+# the team's monthly chip-hours. Once stopped, such a job waits in the queue, not paused (_pause).
+BUDGET = "budget"
 
 
 class Leader(Protocol):
@@ -277,8 +280,13 @@ class Dispatcher:
 
     def _claim(self, session: Session, job: Job) -> None:
         if job.launched_at is not None:
-            # Its run exists but the platform holds it for quota: quota decides, not the tenant cap.
-            self._follow_held(session, job)
+            # Its run exists but the platform holds it for quota: quota decides, not the tenant's limits
+            # on what runs at once. But past its team's budget it waits here: its run, which the platform
+            # would let start, is stopped (a preempted run's checkpoint kept).
+            if (over := self._budget_held(session, job.tenant)) is not None:
+                self._stop_for_budget(session, job, over)
+            else:
+                self._follow_held(session, job)
             return
         # A local file is checked now, before the claim: it takes microseconds, and a job whose data is
         # unusable then fails in one move (queued → failed), one transaction where `starting` first made
@@ -305,11 +313,15 @@ class Dispatcher:
                 self._tenant_jobs[job.tenant].append(job)
             self._launch(session, job, data_checked=local)
 
+    def _tenant(self, session: Session, tenant: str) -> Tenant | None:
+        """`tenant`'s own limits, read once a pass for every tenant: a limit changed holds from the next."""
+        if self._limits is None:
+            self._limits = tenants.load(session)
+        return self._limits.get(tenant)
+
     def _prefixes(self, session: Session, tenant: str) -> tuple[str, ...] | None:
         """Where `tenant`'s jobs may read and write (None: anywhere), as the tenants were read this pass."""
-        if self._limits is None:  # (once a pass, as _over_tenant_cap reads them)
-            self._limits = tenants.load(session)
-        return tenants.data_prefixes(self._limits.get(tenant), self.settings, tenant)
+        return tenants.data_prefixes(self._tenant(session, tenant), self.settings, tenant)
 
     def _in_scope(self, session: Session, job: Job) -> bool:
         """A job queued before an admin narrowed its team's data prefixes, with data or an output outside
@@ -379,9 +391,7 @@ class Dispatcher:
 
     def _over_tenant_cap(self, session: Session, job: Job) -> str | None:
         """Why `job` must wait for its tenant's running jobs (its limits: api.tenants), or None."""
-        if self._limits is None:  # once a pass: a limit changed holds from the next one
-            self._limits = tenants.load(session)
-        limits = tenants.Limits.of(self._limits.get(job.tenant), self.settings, job.tenant)
+        limits = tenants.Limits.of(self._tenant(session, job.tenant), self.settings, job.tenant)
         if not limits.any:
             return None
         max_jobs, max_chips = limits.max_active_jobs, limits.max_active_chips
@@ -404,20 +414,45 @@ class Dispatcher:
                     f"{TEAM_WAIT}your team's running jobs hold {used} of its {max_chips} {what}; "
                     f"this job needs {needed}."
                 )
+        return self._budget_wait(session, job.tenant, limits)
+
+    def _budget_held(
+        self, session: Session, tenant: str, limits: tenants.Limits | None = None
+    ) -> tuple[float, int] | None:
+        """(chip-hours held this month, budget) if `tenant`'s jobs held its monthly budget, else None."""
+        if limits is None:
+            limits = tenants.Limits.of(self._tenant(session, tenant), self.settings, tenant)
         budget = limits.max_chip_hours_per_month
-        if budget is not None:
-            if budget == 0:
-                return (
-                    f"{TEAM_WAIT}your team may use no chip-hours now (budget 0); ask your admin to raise it."
-                )
-            held = self._month_spent.hours(session).get(job.tenant, 0.0)
-            if held >= budget:
-                until = tenants.next_month(utcnow())
-                return (
-                    f"{TEAM_WAIT}your team's jobs held {held:,.0f} of its {budget:,} chip-hours this month; "
-                    f"it starts on {until:%Y-%m-%d} (UTC), or once an admin raises the budget."
-                )
-        return None
+        if budget is None:
+            return None
+        held = self._month_spent.hours(session).get(tenant, 0.0) if budget > 0 else 0.0
+        return (held, budget) if held >= budget else None
+
+    def _budget_wait(self, session: Session, tenant: str, limits: tenants.Limits | None = None) -> str | None:
+        """Why `tenant`'s queued jobs wait for its monthly budget, or None."""
+        over = self._budget_held(session, tenant, limits)
+        if over is None:
+            return None
+        held, budget = over
+        if budget == 0:
+            return f"{TEAM_WAIT}your team may use no chip-hours now (budget 0); ask your admin to raise it."
+        until = tenants.next_month(utcnow())
+        return (
+            f"{TEAM_WAIT}your team's jobs held {held:,.0f} of its {budget:,} chip-hours this month; "
+            f"it starts on {until:%Y-%m-%d} (UTC), or once an admin raises the budget."
+        )
+
+    def _stop_for_budget(self, session: Session, job: Job, over: tuple[float, int]) -> None:
+        """Stop the run of a job whose team's jobs held the team's monthly budget, as a pause does (its
+        workers save a checkpoint): once stopped it waits in the queue (_pause), and goes on from the
+        checkpoint when the budget allows. A run the platform holds (Kueue) is stopped in any case: queued
+        jobs wait for the budget; a running one only with TPUTUNE_TENANT_BUDGET_PAUSES_RUNNING."""
+        message = (
+            f"Pausing: your team's jobs held {over[0]:,.0f} of its {over[1]:,} chip-hours this month; the "
+            "workers save a checkpoint and stop, and the job waits in the queue to go on from it."
+        )
+        if service.transition(session, job, JobStatus.pausing, message, event_data={"for": BUDGET}):
+            self._pause(session, job)
 
     def _active(self, session: Session, tenant: str) -> list[Any]:
         """`tenant`'s active jobs (id, spec): read once per tenant and pass, where a job or chip limit needs
@@ -437,6 +472,8 @@ class Dispatcher:
             self._pause(session, job)
         elif job.launched_at is None:
             self._launch(session, job)
+        elif self.settings.tenant_budget_pauses_running and (over := self._budget_held(session, job.tenant)):
+            self._stop_for_budget(session, job, over)
         else:
             self._reconcile(session, job, self.executor.observe(job))
 
@@ -615,8 +652,28 @@ class Dispatcher:
             if seen.state != "gone" and not self.executor.cancel(job):
                 return  # stopping; the next pass looks again
         self._discard(job, best_effort=False)  # (the run's leftovers: resumed, it starts afresh)
+        if self._paused_for(session, job) == BUDGET:
+            # Paused (its chips let go, its pause counted; job.paused told), then queued again at once: it
+            # waits for the budget with the others, and goes on from its checkpoint.
+            message = "Paused for your team's monthly chip-hour budget; it waits in the queue to go on."
+            if service.transition(session, job, JobStatus.paused, message):
+                why = self._budget_wait(session, job.tenant)
+                if why is None:  # (the budget was raised meanwhile)
+                    service.transition(session, job, JobStatus.queued, "Queued again to go on.")
+                else:
+                    data = {"waiting": "team_limit"}
+                    service.transition(session, job, JobStatus.queued, why, event_data=data)
+            return
         message = "Paused: the workers stopped (saving a checkpoint on the way out); resume the job to go on."
         service.transition(session, job, JobStatus.paused, message)
+
+    @staticmethod
+    def _paused_for(session: Session, job: Job) -> str | None:
+        """Why the server paused a pausing job (its move's event says: BUDGET), or None: its owner did."""
+        moved = col(JobEvent.data)["status"].as_string() == JobStatus.pausing.value
+        last = select(JobEvent.data).where(JobEvent.job_seq == job.seq, JobEvent.type == "status", moved)
+        data = session.exec(last.order_by(col(JobEvent.id).desc()).limit(1)).first()
+        return (data or {}).get("for")
 
     def _discard(self, job: Job, best_effort: bool = True) -> None:
         if not isinstance(self.executor, Discards):

@@ -739,9 +739,11 @@ def transition(
     target: JobStatus,
     message: str | None = None,
     check: Callable[[], None] | None = None,
+    event_data: dict[str, Any] | None = None,
     **fields: Any,
 ) -> bool:
     """Move `job` to `target` if it is still in the status it was read with; commit; False if it moved on.
+    Its status event's data is `{"status", "from"}`, and `event_data` if given.
 
     `check`, if given, runs after the move and before the commit, in the same transaction (it sees the
     move); if it raises, the move is rolled back and the error goes on to the caller.
@@ -785,7 +787,8 @@ def transition(
             session.rollback()
             raise
     event = _status_event(current, target, message)
-    add_event(session, job, "status", event["message"], level=event["level"], data=event["data"])
+    data = event["data"] if event_data is None else {**event["data"], **event_data}
+    add_event(session, job, "status", event["message"], level=event["level"], data=data)
     session.commit()
     for name, value in values.items():
         set_committed_value(job, name, value)  # what the row now holds, without marking the job changed

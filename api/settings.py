@@ -188,7 +188,13 @@ class Settings(BaseSettings):
         ge=1,
         description="Chip-hours (local executor: process-hours) one tenant's jobs may hold in a calendar "
         "month (UTC), as GET /usage counts them; once they have, its queued jobs wait until the next month "
-        "(running ones go on).",
+        "or a higher budget (running ones go on, unless TPUTUNE_TENANT_BUDGET_PAUSES_RUNNING).",
+    )
+    tenant_budget_pauses_running: bool = Field(
+        default=False,
+        description="Once a tenant's jobs have held its monthly chip-hours, also stop its running jobs: "
+        "each saves a checkpoint, lets its chips go and waits in the queue, and goes on from the "
+        "checkpoint in the next month or once an admin raises the budget. Off: they run to their end.",
     )
 
     # --- webhooks (api.webhooks) ---

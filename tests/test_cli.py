@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -14,7 +15,10 @@ from sqlmodel import Session, select
 from api.cli import interruptions_line, main, progress_line, queue_place, usage_line
 from api.jobs import transition
 from api.models import Job, utcnow
+from api.settings import Settings
 from api.states import JobStatus
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(api, capsys, *argv: str) -> tuple[int, str, str]:  # type: ignore[no-untyped-def]
@@ -479,8 +483,26 @@ def test_invalid_settings_are_named_as_the_environment_names_them(
     assert len(lines) == 2
 
 
+def test_every_setting_is_in_the_readmes_table() -> None:
+    """Each TPUTUNE_ setting a server reads is a row of the README's configuration table."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    rows = {
+        name
+        for line in lines
+        if line.startswith("| `")
+        for name in re.findall(r"`(\w+)`", line.split("|")[1])
+    }
+    missing = [f"TPUTUNE_{name.upper()}" for name in Settings.model_fields]
+    assert [name for name in missing if name not in rows] == []
+
+
 def test_tenants_commands(live_api, dataset: Path, capsys) -> None:  # type: ignore[no-untyped-def]
-    api = live_api(admin_key="the-admin-key-123", tenant_max_active_chips=8, dispatcher_enabled=False)
+    api = live_api(
+        admin_key="the-admin-key-123",
+        tenant_max_active_chips=8,
+        tenant_budget_pauses_running=True,
+        dispatcher_enabled=False,
+    )
     admin = ("--api-key", "the-admin-key-123")
     code, out, _ = run(api, capsys, *admin, "keys", "create", "--tenant", "research", "--name", "ci")
     member = ("--api-key", out.splitlines()[-1])
@@ -500,7 +522,7 @@ def test_tenants_commands(live_api, dataset: Path, capsys) -> None:  # type: ign
     assert code == 0 and out.splitlines()[1:4] == [
         "  jobs:  0 active, limit 2; 0 queued, limit 1",
         "  processes: 0 held, limit 4",
-        "  chip-hours this month (UTC): 0.00, budget 100",
+        "  chip-hours this month (UTC): 0.00, budget 100; running jobs pause at it",
     ]
     assert out.splitlines()[5].startswith(
         "  limits set by the admin at " + time.strftime("%Y-%m-%d", time.gmtime())

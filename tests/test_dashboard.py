@@ -747,7 +747,12 @@ def test_the_keys_page_creates_rotates_and_revokes(
 def test_the_teams_page_sets_limits_and_a_team_sees_its_own(
     live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
 ) -> None:
-    api = live_api(dispatcher_enabled=False, admin_key=ADMIN, tenant_max_active_chips=8)
+    api = live_api(
+        dispatcher_enabled=False,
+        admin_key=ADMIN,
+        tenant_max_active_chips=8,
+        tenant_budget_pauses_running=True,
+    )
     admin = {"Authorization": f"Bearer {ADMIN}"}
     with api.client() as http:
         member = http.post("/admin/keys", json={"tenant": "alpha", "name": "b"}, headers=admin).json()["key"]
@@ -847,8 +852,8 @@ def test_the_teams_page_sets_limits_and_a_team_sees_its_own(
     expect(team.locator("#quota")).to_have_text(
         re.compile(
             r"^Your team \(alpha\): 0 of 1 jobs active · 0 of 2 processes held · 1 of 1 queued · "
-            r"[0-9] of 100 chip-hours this month\. Over a limit, jobs wait queued\. The queue is full: new "
-            r"jobs are refused until some start\.$"
+            r"[0-9] of 100 chip-hours this month \(running jobs pause at it\)\. Over a limit, jobs wait "
+            r"queued\. The queue is full: new jobs are refused until some start\.$"
         )
     )
     team.goto(f"{api.url}/ui/tenants")

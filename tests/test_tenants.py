@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -85,6 +86,7 @@ def test_an_admin_sets_a_tenants_limits_and_the_team_sees_them(app_client: TestC
         "limits": limits(None, 8),  # the server's
         "own_limits": limits(None, None),
         "usage": {"active_jobs": 0, "queued_jobs": 0, "chips": 0, "chip_hours_this_month": 0.0},
+        "budget_pauses_running": False,
         "chip_unit": "processes",
         "data_prefixes": None,  # (anywhere: the server has no TPUTUNE_TENANT_DATA_PREFIXES)
         "own_data_prefixes": None,
@@ -547,6 +549,91 @@ def test_a_team_that_used_its_months_chip_hours_waits_for_a_higher_budget(  # ty
         listed = {t["name"]: t for t in http.get("/admin/tenants", headers=bearer(ADMIN)).json()["data"]}
         assert listed["research"]["usage"]["chip_hours_this_month"] >= 8
         assert listed["vision"]["limits"]["max_chip_hours_per_month"] is None
+
+
+def test_past_its_budget_a_teams_running_job_stops_with_a_checkpoint_and_goes_on_with_a_higher_one(  # type: ignore[no-untyped-def]
+    live_api, dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TPUTUNE_TENANT_BUDGET_PAUSES_RUNNING: once a team's jobs held its month's chip-hours, its running job
+    is stopped as a pause stops it (its worker saves a checkpoint), told as paused, and waits in the queue
+    saying why; another team's job runs on; a higher budget starts it again, from its checkpoint."""
+    real = datetime.now(UTC)
+    start = tenants.month_start(real)
+    # (The job below held its processes for the last two hours: at least that far into the month.)
+    now = real if real - start >= timedelta(hours=3) else start + timedelta(days=1)
+    monkeypatch.setattr(tenants, "utcnow", lambda: now + (datetime.now(UTC) - real))
+    monkeypatch.setattr(tenants.MonthSpent, "SECONDS", 0.0)  # (read again each time: no 30 s to wait)
+    api = live_api(
+        admin_key=ADMIN,
+        rate_limit_per_second=0,
+        dispatcher_process=False,
+        max_local_processes=8,
+        tenant_budget_pauses_running=True,
+    )
+    api.headers = bearer(ADMIN)
+    with api.client() as http:
+        keys = {}
+        for team in ("research", "vision"):
+            keys[team] = bearer(http.post("/admin/keys", json={"tenant": team, "name": team}).json()["key"])
+        # research's jobs held 4 processes for the last two hours (one written as the dispatcher would have)
+        assert http.patch("/admin/tenants/research", json={"max_active_jobs": 0}).status_code == 200
+        ran = http.post("/jobs", json=body(dataset, 4), headers=keys["research"]).json()["id"]
+        began = now - timedelta(hours=2)
+        engine = make_engine(api.settings.database_url)
+        with Session(engine) as session:
+            job = session.exec(select(Job).where(Job.id == ran)).one()
+            job.status, job.admitted_at, job.started_at, job.finished_at = "succeeded", began, began, now
+            session.add(job)
+            session.commit()
+        engine.dispose()
+        assert http.patch("/admin/tenants/research", json={"max_active_jobs": None}).status_code == 200
+
+        slow = {**body(dataset, fake="slow"), "metadata": {"fake": "slow", "resume": "checkpoint"}}
+        mine, other = (http.post("/jobs", json=slow, headers=keys[team]).json()["id"] for team in keys)
+        for team, job_id in (("research", mine), ("vision", other)):
+            api.headers = keys[team]
+            api.wait_for(job_id, lambda j: j["status"] == "running" and j["progress"]["step"] >= 3)
+        api.headers = keys["research"]
+
+        # A budget below what the team held: the running job stops, with a checkpoint, and waits.
+        # (SQLite's julianday() may make the 8 hours 7.99999: a budget of 7 is clearly held)
+        assert http.patch("/admin/tenants/research", json={"max_chip_hours_per_month": 7}).status_code == 200
+        waiting = api.wait_for(mine, lambda j: j["status"] == "queued", timeout=20)
+        until = tenants.next_month(real)
+        assert waiting["status_message"] == (
+            "Waiting: your team's jobs held 8 of its 7 chip-hours this month; it starts "
+            f"on {until:%Y-%m-%d} (UTC), or once an admin raises the budget."
+        )
+        assert waiting["pauses"] == 1 and waiting["preemptions"] == 0
+        history = events(http, mine, keys["research"])
+        moves = [e for e in history if "status" in (e["data"] or {})]
+        assert [e["data"]["status"] for e in moves] == [
+            "queued", "starting", "running", "pausing", "paused", "queued"
+        ]  # fmt: skip
+        assert moves[3]["data"]["for"] == "budget"
+        assert moves[3]["message"].startswith(
+            "running → pausing: Pausing: your team's jobs held 8 of its 7 chip-hours this month; the workers "
+            "save a checkpoint"
+        )
+        stopped_at = json.loads(Path(waiting["output_uri"], "checkpoint.json").read_text())
+        assert stopped_at["step"] >= 3
+        time.sleep(0.5)  # (a few passes: it stays queued, and says why once)
+        assert http.get(f"/jobs/{mine}", headers=keys["research"]).json()["status"] == "queued"
+        said = [e for e in events(http, mine, keys["research"]) if (e["data"] or {}).get("waiting")]
+        assert [e["message"] for e in said] == [f"paused → queued: {waiting['status_message']}"]
+        assert http.get(f"/jobs/{other}", headers=keys["vision"]).json()["status"] == "running"
+
+        # A higher budget: it starts again, and goes on from its checkpoint.
+        raised = {"max_chip_hours_per_month": 9}
+        assert http.patch("/admin/tenants/research", json=raised).status_code == 200
+        again = api.wait_for(
+            mine, lambda j: j["status"] == "running" and j["progress"]["step"] > stopped_at["step"]
+        )
+        assert again["pauses"] == 1
+        for team, job_id in (("research", mine), ("vision", other)):
+            http.post(f"/jobs/{job_id}/cancel", headers=keys[team])
+            api.headers = keys[team]
+            assert api.wait_for(job_id, lambda j: j["status"] in FINAL)["status"] == "cancelled"
 
 
 def test_a_months_chip_hours_are_read_once_for_every_team_and_again_in_a_new_month(

@@ -97,6 +97,11 @@ class TenantPublic(BaseModel):
         "null: the server's (TPUTUNE_TENANT_MAX_ACTIVE_JOBS/CHIPS, TPUTUNE_TENANT_MAX_QUEUED_JOBS) hold."
     )
     usage: TenantUsage
+    budget_pauses_running: bool = Field(
+        description="Once its jobs held its monthly chip-hours (`max_chip_hours_per_month`), its running "
+        "jobs are stopped too (each saves a checkpoint and waits in the queue to go on from it); false: they "
+        "run to their end, and only queued jobs wait. The server's TPUTUNE_TENANT_BUDGET_PAUSES_RUNNING."
+    )
     chip_unit: str = Field(
         description="What `chips` counts on this server: `TPU chips` (on Kubernetes) or `processes` (the "
         "local executor, whose processes stand in for TPU VMs).",
@@ -132,6 +137,7 @@ class TenantPublic(BaseModel):
                 chips=used.chips if used else 0,
                 chip_hours_this_month=round(hours, 4),
             ),
+            budget_pauses_running=settings.tenant_budget_pauses_running,
             chip_unit=chip_unit(settings),
             data_prefixes=list(prefixes) if prefixes is not None else None,
             own_data_prefixes=_own_prefixes(row),

@@ -83,7 +83,8 @@ async function showQuota() {
   ];
   if (limits.max_chip_hours_per_month !== null) {
     const hours = Math.round(tenant.usage.chip_hours_this_month).toLocaleString("en-US");
-    parts.push(`${hours} of ${limits.max_chip_hours_per_month.toLocaleString("en-US")} chip-hours this month`);
+    const stops = tenant.budget_pauses_running ? " (running jobs pause at it)" : "";
+    parts.push(`${hours} of ${limits.max_chip_hours_per_month.toLocaleString("en-US")} chip-hours this month${stops}`);
   }
   const full = limits.max_queued_jobs !== null && tenant.usage.queued_jobs >= limits.max_queued_jobs;
   const over = full ? " The queue is full: new jobs are refused until some start." : "";

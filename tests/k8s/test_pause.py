@@ -206,6 +206,49 @@ def test_a_job_held_by_kueue_is_paused(
     assert fake_k8s.get("secrets", render.secret_name(job_id), NAMESPACE) is not None  # (the new run's)
 
 
+def test_a_run_held_by_kueue_of_a_team_past_its_budget_is_deleted_and_waits_in_the_queue(
+    k8s_api: Callable[..., LiveApi], cluster: Cluster, fake_k8s: FakeKubernetes, dataset_uri: str
+) -> None:
+    """Queued jobs wait for their team's monthly budget, also one whose JobSet Kueue holds (it would admit
+    it): its JobSet is deleted, as a pause deletes it, and the job waits in the queue saying why; with a
+    budget again it is launched anew. A running job goes on (no TPUTUNE_TENANT_BUDGET_PAUSES_RUNNING)."""
+    api = k8s_api(k8s_kueue_queue="tpu-queue")
+    held_id, running_id = submit(api, dataset_uri), submit(api, dataset_uri)
+    running(api, cluster, running_id)
+    cluster.wait_jobset(held_id)
+    cluster.suspend(held_id)
+    assert api.wait_for(held_id, lambda j: j["status"] == "queued")["status_message"].startswith(
+        "Waiting for"
+    )
+    with api.client() as http:
+        assert http.patch("/admin/tenants/default", json={"max_chip_hours_per_month": 0}).status_code == 200
+    waiting = api.wait_for(held_id, lambda j: "budget 0" in (j["status_message"] or ""))
+    assert waiting["status"] == "queued" and waiting["pauses"] == 1
+    assert waiting["status_message"] == (
+        "Waiting: your team may use no chip-hours now (budget 0); ask your admin to raise it."
+    )
+    wait_deleted(fake_k8s, held_id)
+    assert cluster.jobset(held_id) is None
+    assert statuses(api, held_id) == ["queued", "starting", "queued", "pausing", "paused", "queued"]
+    pausing = [e for e in events(api, held_id, "status") if (e["data"] or {}).get("status") == "pausing"]
+    assert pausing[0]["data"]["for"] == "budget"
+    assert job(api, running_id)["status"] == "running"
+    assert cluster.jobset(running_id) is not None
+    time.sleep(0.3)
+    assert fake_k8s.count("create", "jobsets") == 2  # (not launched again while it waits)
+
+    with api.client() as http:
+        assert (
+            http.patch("/admin/tenants/default", json={"max_chip_hours_per_month": None}).status_code == 200
+        )
+    cluster.wait_jobset(held_id)
+    running(api, cluster, held_id)
+    assert fake_k8s.count("create", "jobsets") == 3
+    for job_id in (held_id, running_id):
+        cluster.complete(job_id)
+        assert api.wait_for(job_id, lambda j: j["status"] in FINAL)["status"] == "succeeded"
+
+
 def test_restarts_after_a_resume_are_counted(
     k8s_api: Callable[..., LiveApi], cluster: Cluster, dataset_uri: str
 ) -> None:
