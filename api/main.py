@@ -148,6 +148,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
     executor = make_executor(settings)
     job_reader = make_reader(engine)
     load = None
+    month_spent = MonthSpent(settings)  # (GET /tenant's, and /metrics')
     dispatcher: Dispatcher | DispatcherProcess | None = None
     wakes: Wakes | None = None
     if settings.dispatcher_enabled and (settings.dispatcher_process or worker):
@@ -156,10 +157,12 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
         else:
             dispatcher = DispatcherProcess(settings)
             stats = dispatcher.stats
-        metrics = Metrics(engine, dispatcher_stats=stats, multiprocess=worker, settings=settings)
+        metrics = Metrics(
+            engine, dispatcher_stats=stats, multiprocess=worker, settings=settings, month_spent=month_spent
+        )
         wakes = Waker(settings.data_dir / WAKE_FILE, stats)
     else:
-        metrics = Metrics(engine, multiprocess=worker, settings=settings)
+        metrics = Metrics(engine, multiprocess=worker, settings=settings, month_spent=month_spent)
         if settings.dispatcher_enabled:
             load = RequestLoad()  # a dispatcher thread yields to requests (a process does not share the GIL)
             dispatcher = wakes = make_dispatcher(engine, executor, settings, metrics, api_busy=load.busy)
@@ -233,7 +236,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
     app.state.leader = dispatcher.leader if isinstance(dispatcher, Dispatcher) else None
     app.state.auth = Authenticator(engine, settings, buckets)
     app.state.tenant_limits = LimitsCache(engine, settings)
-    app.state.month_spent = MonthSpent(settings)
+    app.state.month_spent = month_spent
     app.state.metrics = metrics
     app.state.streams = streams
     app.state.event_watch = EventWatch(job_reader)

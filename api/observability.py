@@ -46,6 +46,7 @@ class Metrics:
         multiprocess: bool = False,
         *,
         settings: Settings,
+        month_spent: tenant_limits.MonthSpent | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         own: CollectorRegistry | None = self.registry
@@ -86,7 +87,9 @@ class Metrics:
         else:
             self.launches = Counter(LAUNCHES[0], LAUNCHES[1], registry=own)
             self.last_pass = Gauge(LAST_PASS[0], LAST_PASS[1], registry=own, multiprocess_mode="max")
-        self.registry.register(_JobsByStatus(engine, settings))
+        if month_spent is None:
+            month_spent = tenant_limits.MonthSpent(settings)
+        self.registry.register(_JobsByStatus(engine, settings, month_spent))
 
     # --- DispatcherStats, for a dispatcher thread ---
 
@@ -128,11 +131,13 @@ _LIMITS_HELP = {
 class _JobsByStatus(Collector):
     """`tputune_jobs` by status; for each tenant with unfinished jobs, those by status and the chips its
     active jobs hold (api.tenants.usage: what its chip limit caps), to watch the shared quota and
-    each team's share of it; and each tenant's limits (api.tenants), where it has one, beside them."""
+    each team's share of it; each tenant's chip-hours this month (api.tenants.MonthSpent: read at most
+    every 30 s); and each tenant's limits (api.tenants), where it has one, beside them."""
 
-    def __init__(self, engine: Engine, settings: Settings) -> None:
+    def __init__(self, engine: Engine, settings: Settings, month_spent: tenant_limits.MonthSpent) -> None:
         self.engine = engine
         self.settings = settings
+        self.month_spent = month_spent
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily("tputune_jobs", "Jobs by status", labels=["status"])
@@ -142,6 +147,12 @@ class _JobsByStatus(Collector):
         held = GaugeMetricFamily(
             "tputune_tenant_chips",
             "TPU chips (local executor: processes) each tenant's active jobs hold",
+            labels=["tenant"],
+        )
+        month = GaugeMetricFamily(
+            "tputune_tenant_chip_hours_this_month",
+            "The chip-hours (local executor: process-hours) each tenant's jobs held this calendar month "
+            "(UTC), as GET /usage counts them (read at most every 30 s): what its monthly budget counts",
             labels=["tenant"],
         )
         limit_families = {
@@ -164,6 +175,7 @@ class _JobsByStatus(Collector):
                 counts[status] = count
             used = tenant_limits.usage(session, self.settings)
             own = tenant_limits.load(session)
+            hours = self.month_spent.hours(session)
             delivery_counts = webhooks.count_by_status(session)
             endpoint_counts = webhooks.count_endpoints(session)
         for status, count in counts.items():
@@ -176,6 +188,9 @@ class _JobsByStatus(Collector):
         for tenant, entry in sorted(used.items()):
             held.add_metric([tenant], entry.chips)
         yield held
+        for tenant, spent in sorted(hours.items()):
+            month.add_metric([tenant], spent)
+        yield month
         for tenant in sorted(set(used) | set(own)):
             limits = tenant_limits.Limits.of(own.get(tenant), self.settings, tenant)
             for name, limit_family in limit_families.items():

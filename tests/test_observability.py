@@ -5,11 +5,16 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pytest
+import yaml
 from fastapi.testclient import TestClient
-from sqlmodel import Session, select
+from sqlalchemy import update
+from sqlmodel import Session, col, select
 
 from api.jobs import transition
 from api.main import create_app
@@ -17,6 +22,7 @@ from api.models import Job
 from api.observability import JsonFormatter, request_id_var
 from api.settings import Settings
 from api.states import JobStatus
+from api.tenants import month_start
 from tests.test_progress import metrics, post, started_job
 
 
@@ -38,7 +44,7 @@ def test_metrics_show_each_tenants_jobs_and_chips(
     make_settings: Callable[..., Settings], dataset: Path
 ) -> None:
     """The shared quota by team: each tenant's unfinished jobs by status, and the chips (local executor:
-    processes) its active jobs hold, and its limits beside them."""
+    processes) its active jobs hold, what its jobs held this month, and its limits beside them."""
     from tests.test_auth import ADMIN, bearer, make_key
 
     settings = make_settings(
@@ -69,7 +75,13 @@ def test_metrics_show_each_tenants_jobs_and_chips(
         move(submit("alpha", processes=4), JobStatus.starting)
         submit("alpha")
         submit("beta")
-        move(submit("beta", processes=8), JobStatus.cancelled)  # (finished: holds nothing)
+        ran = submit("beta", processes=8)
+        move(ran, JobStatus.cancelled)  # (finished: holds nothing; it held 8 for the last 30 minutes)
+        now = datetime.now(UTC)
+        began = max(now - timedelta(minutes=30), month_start(now))
+        with Session(app.state.engine) as session:
+            session.execute(update(Job).where(col(Job.id) == ran).values(admitted_at=began, finished_at=now))
+            session.commit()
         move(submit("gamma"), JobStatus.cancelled)
         # Limits: the server's hold for a tenant without its own; one with none shows none.
         own = {"max_active_jobs": 3, "max_active_chips": None}
@@ -78,7 +90,10 @@ def test_metrics_show_each_tenants_jobs_and_chips(
         assert client.patch("/admin/tenants/delta", json=own, headers=bearer(ADMIN)).status_code == 200
         body = client.get("/metrics").text
     lines = {line for line in body.splitlines() if line.startswith("tputune_tenant_")}
-    assert lines == {
+    month = [line for line in lines if line.startswith("tputune_tenant_chip_hours_this_month")]
+    assert [line.split()[0] for line in month] == ['tputune_tenant_chip_hours_this_month{tenant="beta"}']
+    assert float(month[0].split()[1]) == pytest.approx(8 * (now - began).total_seconds() / 3600, abs=1e-3)
+    assert lines - set(month) == {
         'tputune_tenant_jobs{status="running",tenant="alpha"} 1.0',
         'tputune_tenant_jobs{status="starting",tenant="alpha"} 1.0',
         'tputune_tenant_jobs{status="queued",tenant="alpha"} 1.0',
@@ -93,6 +108,19 @@ def test_metrics_show_each_tenants_jobs_and_chips(
         'tputune_tenant_max_chip_hours_per_month{tenant="delta"} 500.0',
     }
     assert 'tputune_jobs{status="cancelled"} 2.0' in body
+
+
+def test_the_readmes_alerting_rules_name_metrics_the_server_serves(client: TestClient) -> None:
+    """The README's example rules parse, and each metric their expressions name is one /metrics serves."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = next(b for b in readme.split("```yaml\n")[1:] if b.startswith("groups:")).split("```")[0]
+    rules = [rule for group in yaml.safe_load(block)["groups"] for rule in group["rules"]]
+    assert len(rules) >= 4 and all(rule["alert"] and rule["annotations"]["summary"] for rule in rules)
+    body = client.get("/metrics").text
+    served = set(re.findall(r"^# TYPE (\w+) ", body, re.MULTILINE))
+    served |= {f"{name}_total" for name in served}  # (a counter's samples)
+    named = {name for rule in rules for name in re.findall(r"\btputune_\w+", rule["expr"])}
+    assert named and named <= served, named - served
 
 
 def test_metrics_can_be_turned_off(make_settings: Callable[..., Settings]) -> None:

@@ -175,8 +175,8 @@ class TenantLimitsUpdate(BaseModel):
         default=None,
         description="Chip-hours (local executor: process-hours) its jobs may hold in a calendar month (UTC), "
         "as GET /usage counts them; once they have, its queued jobs wait for the next month or a higher "
-        "budget, and running ones go on (0: none start); null: the server's "
-        "TPUTUNE_TENANT_MAX_CHIP_HOURS_PER_MONTH.",
+        "budget, and running ones go on unless the server stops them too (`budget_pauses_running`) (0: "
+        "none start); null: the server's TPUTUNE_TENANT_MAX_CHIP_HOURS_PER_MONTH.",
     )
 
     data_prefixes: list[str] | Literal["any"] | None = Field(
