@@ -20,7 +20,7 @@ from api.datasets import DatasetUnavailable, StorageUnreachable, check_dataset
 from api.db import session_scope
 from api.errors import ApiError
 from api.executors import Discards, Executor, ExecutorUnavailable, Observation
-from api.models import Job, JobEvent, Tenant, utcnow
+from api.models import Job, Tenant, utcnow
 from api.observability import DispatcherStats, job_id_var
 from api.settings import Settings
 from api.states import ACTIVE, JobStatus
@@ -44,9 +44,7 @@ STOPPED = frozenset({EXIT_PREEMPTED, 128 + signal.SIGTERM, 128 + signal.SIGKILL}
 # The launch handle's record of the job's restarts before its run (a resumed job's: see _launch).
 RESTARTS_BEFORE = "restarts_before"
 TEAM_WAIT = service.TEAM_WAIT  # how the status message of a job held back by its team's limits begins
-# Why the server paused a job, in its move to `pausing` (its event's data "for"): its team's jobs held
-# the team's monthly chip-hours. Once stopped, such a job waits in the queue, not paused (_pause).
-BUDGET = "budget"
+BUDGET = service.BUDGET  # (a job the server paused for its team's budget: once stopped it waits queued)
 
 
 class Leader(Protocol):
@@ -447,9 +445,15 @@ class Dispatcher:
         workers save a checkpoint): once stopped it waits in the queue (_pause), and goes on from the
         checkpoint when the budget allows. A run the platform holds (Kueue) is stopped in any case: queued
         jobs wait for the budget; a running one only with TPUTUNE_TENANT_BUDGET_PAUSES_RUNNING."""
+        held, budget = over
+        why = (
+            f"your team's jobs held {held:,.0f} of its {budget:,} chip-hours this month"
+            if budget
+            else "your team may use no chip-hours now (budget 0)"
+        )
         message = (
-            f"Pausing: your team's jobs held {over[0]:,.0f} of its {over[1]:,} chip-hours this month; the "
-            "workers save a checkpoint and stop, and the job waits in the queue to go on from it."
+            f"Pausing: {why}; the workers save a checkpoint and stop, and the job waits in the queue to go "
+            "on from it."
         )
         if service.transition(session, job, JobStatus.pausing, message, event_data={"for": BUDGET}):
             self._pause(session, job)
@@ -652,7 +656,7 @@ class Dispatcher:
             if seen.state != "gone" and not self.executor.cancel(job):
                 return  # stopping; the next pass looks again
         self._discard(job, best_effort=False)  # (the run's leftovers: resumed, it starts afresh)
-        if self._paused_for(session, job) == BUDGET:
+        if service.paused_for(session, job) == BUDGET:
             # Paused (its chips let go, its pause counted; job.paused told), then queued again at once: it
             # waits for the budget with the others, and goes on from its checkpoint.
             message = "Paused for your team's monthly chip-hour budget; it waits in the queue to go on."
@@ -666,14 +670,6 @@ class Dispatcher:
             return
         message = "Paused: the workers stopped (saving a checkpoint on the way out); resume the job to go on."
         service.transition(session, job, JobStatus.paused, message)
-
-    @staticmethod
-    def _paused_for(session: Session, job: Job) -> str | None:
-        """Why the server paused a pausing job (its move's event says: BUDGET), or None: its owner did."""
-        moved = col(JobEvent.data)["status"].as_string() == JobStatus.pausing.value
-        last = select(JobEvent.data).where(JobEvent.job_seq == job.seq, JobEvent.type == "status", moved)
-        data = session.exec(last.order_by(col(JobEvent.id).desc()).limit(1)).first()
-        return (data or {}).get("for")
 
     def _discard(self, job: Job, best_effort: bool = True) -> None:
         if not isinstance(self.executor, Discards):

@@ -917,13 +917,35 @@ def request_cancel(session: Session, tenant: str | None, job_id: str, by: str | 
     raise ApiError(409, "job_busy", f"Job {job_id} is changing state right now; retry the cancel.")
 
 
+# Who paused a pausing job, in its status events' data "for" (`paused_for`): the server, as its team's jobs
+# held the team's monthly chip-hours (once stopped, the job waits in the queue to go on), or its owner
+# who asked for a pause meanwhile (once stopped, it stays paused until resumed; the owner's pause of a
+# running job says nothing of it: None).
+BUDGET = "budget"
+OWNER = "owner"
+
+
+def paused_for(session: Session, job: Job) -> str | None:
+    """Who paused a pausing job, as its last status event that says: BUDGET, OWNER, or None (its owner)."""
+    said = col(JobEvent.data)["for"].as_string().is_not(None)
+    last = select(JobEvent.data).where(JobEvent.job_seq == job.seq, JobEvent.type == "status", said)
+    data = session.exec(last.order_by(col(JobEvent.id).desc()).limit(1)).first()
+    return (data or {}).get("for")
+
+
 def request_pause(session: Session, tenant: str | None, job_id: str, by: str | None = None) -> Job:
     """Pause the job (of `tenant`'s; None: any): at once if it never launched, else `pausing` until its
     workers have saved a checkpoint and stopped (the dispatcher ends the run; its chips are let go). A
-    paused job stays so until resumed (`request_resume`); its checkpoints and history are kept."""
+    paused job stays so until resumed (`request_resume`); its checkpoints and history are kept. One the
+    server is pausing for its team's budget then stays paused too, not queued to go on."""
     who = f" by {by}" if by else ""
     for _ in range(5):
         job = get_job(session, tenant, job_id)
+        if job.status == JobStatus.pausing and paused_for(session, job) == BUDGET:
+            message = f"Pause requested{who}; once its workers stop, the job stays paused until resumed."
+            add_event(session, job, "status", message, data={"for": OWNER})
+            session.commit()
+            return job
         if job.status in (JobStatus.pausing, JobStatus.paused):
             return job
         if job.status not in (JobStatus.queued, JobStatus.starting, JobStatus.running):

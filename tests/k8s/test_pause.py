@@ -222,8 +222,7 @@ def test_a_run_held_by_kueue_of_a_team_past_its_budget_is_deleted_and_waits_in_t
     )
     with api.client() as http:
         assert http.patch("/admin/tenants/default", json={"max_chip_hours_per_month": 0}).status_code == 200
-    waiting = api.wait_for(held_id, lambda j: "budget 0" in (j["status_message"] or ""))
-    assert waiting["status"] == "queued" and waiting["pauses"] == 1
+    waiting = api.wait_for(held_id, lambda j: j["status"] == "queued" and j["pauses"] == 1)
     assert waiting["status_message"] == (
         "Waiting: your team may use no chip-hours now (budget 0); ask your admin to raise it."
     )
@@ -247,6 +246,51 @@ def test_a_run_held_by_kueue_of_a_team_past_its_budget_is_deleted_and_waits_in_t
     for job_id in (held_id, running_id):
         cluster.complete(job_id)
         assert api.wait_for(job_id, lambda j: j["status"] in FINAL)["status"] == "succeeded"
+
+
+def test_a_running_job_past_its_budget_is_stopped_and_its_owners_pause_then_keeps_it_paused(
+    k8s_api: Callable[..., LiveApi], cluster: Cluster, fake_k8s: FakeKubernetes, dataset_uri: str
+) -> None:
+    """TPUTUNE_TENANT_BUDGET_PAUSES_RUNNING on Kubernetes: a running job of a team past its budget has its
+    JobSet deleted, as a pause does. Its owner pausing it meanwhile keeps it paused once its workers
+    stopped, where it would have waited in the queue to go on."""
+    api = k8s_api(tenant_budget_pauses_running=True)
+    job_id = submit(api, dataset_uri)
+    running(api, cluster, job_id)
+    fake_k8s.hold_foreground = True  # the workers take their time to save a checkpoint and stop
+    with api.client() as http:
+        assert http.patch("/admin/tenants/default", json={"max_chip_hours_per_month": 0}).status_code == 200
+    pausing = api.wait_for(job_id, lambda j: j["status"] == "pausing")
+    assert pausing["status_message"].startswith("Pausing: your team may use no chip-hours now (budget 0);")
+    wait_deleted(fake_k8s, job_id)
+    answer = post(api, job_id, "pause")
+    assert answer.status_code == 200 and answer.json()["status"] == "pausing", answer.text
+    post(api, job_id, "pause")  # (asked again: said once)
+    fake_k8s.finish_deletions()
+    paused = api.wait_for(job_id, lambda j: j["status"] != "pausing")
+    assert paused["status"] == "paused" and paused["pauses"] == 1, paused
+    assert paused["status_message"].startswith("Paused: the workers stopped")
+    time.sleep(0.3)
+    assert job(api, job_id)["status"] == "paused"
+    assert statuses(api, job_id) == ["queued", "starting", "running", "pausing", "paused"]
+    said = [(e["message"], e["data"]) for e in events(api, job_id, "status") if "for" in e["data"]]
+    assert said == [
+        (
+            "running → pausing: Pausing: your team may use no chip-hours now (budget 0); the workers save a "
+            "checkpoint and stop, and the job waits in the queue to go on from it.",
+            {"status": "pausing", "from": "running", "for": "budget"},
+        ),
+        (
+            "Pause requested; once its workers stop, the job stays paused until resumed.",
+            {"for": "owner"},
+        ),
+    ]
+    assert fake_k8s.count("create", "jobsets") == 1
+    # Resumed: it waits for the budget, as any queued job of its team.
+    assert post(api, job_id, "resume").json()["status"] == "queued"
+    waiting = api.wait_for(job_id, lambda j: "budget 0" in (j["status_message"] or ""))
+    assert waiting["status"] == "queued" and cluster.jobset(job_id) is None
+    assert waiting["status_message"].startswith("Waiting: ")
 
 
 def test_restarts_after_a_resume_are_counted(
