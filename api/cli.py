@@ -319,20 +319,13 @@ def _when(stamp: str) -> str:
     return _time(stamp).strftime("%Y-%m-%d %H:%M")
 
 
-def key_role(key: dict[str, Any]) -> str:
-    """admin, member, or their read-only kinds: auditor (every team's), reader (its own team's)."""
-    if key.get("read_only"):
-        return "auditor" if key["admin"] else "reader"
-    return "admin" if key["admin"] else "member"
-
-
 def keys(args: argparse.Namespace) -> int:
     with _client(args) as client:
         if args.action == "create":
             key = client.create_key(args.tenant, args.name, args.expires_in_days, args.admin, args.read_only)
             expiry = f", expires {_when(key['expires_at'])}" if key["expires_at"] else ""
             role = {"admin": "an admin key ", "auditor": "an auditor key ", "reader": "a read-only key "}.get(
-                key_role(key), ""
+                key["role"], ""
             )
             print(f"created {role}{key['id']} for tenant {key['tenant']}{expiry}; the key is shown only now:")
             print(key["key"])
@@ -351,7 +344,7 @@ def keys(args: argparse.Namespace) -> int:
                 else:
                     state = "active"
                 used = _when(key["last_used_at"]) if key["last_used_at"] else "never"
-                role = key_role(key)
+                role = key["role"]
                 print(
                     f"{key['id']:<16} {key['prefix']:<16} {key['tenant']:<16} {role:<7} {state:<28} "
                     f"{used:<18} {key['name']}"

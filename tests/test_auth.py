@@ -353,8 +353,13 @@ def test_a_read_only_key_reads_and_changes_nothing(
             return dict(made.json())
 
         reader = create(read_only=True)
-        assert (reader["read_only"], reader["admin"]) == (True, False)
+        assert (reader["read_only"], reader["admin"], reader["role"]) == (True, False, "reader")
         auditor = create(read_only=True, admin=True)
+        assert auditor["role"] == "auditor"
+        roles = {key["id"]: key["role"] for key in client.get("/admin/keys", headers=admin).json()["data"]}
+        assert sorted(roles.values()) == ["auditor", "member", "member", "reader"]
+        ops = client.post("/admin/keys", json={"tenant": "ops", "name": "o", "admin": True}, headers=admin)
+        assert ops.json()["role"] == "admin"
         for made, sees_other in ((reader, False), (auditor, True)):
             key = bearer(made["key"])
             assert client.get(f"/jobs/{job_id}", headers=key).status_code == 200

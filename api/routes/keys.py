@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from datetime import datetime, timedelta
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Body, Query, Request, Response
 from pydantic import BaseModel, Field
@@ -52,6 +52,17 @@ class KeyCreate(BaseModel):
     }
 
 
+Role = Literal["member", "admin", "reader", "auditor"]
+
+
+def role(admin: bool, read_only: bool) -> Role:
+    """A key's role, of its two flags: admin, member, or their read-only kinds: auditor (every team's),
+    reader (its own team's)."""
+    if read_only:
+        return "auditor" if admin else "reader"
+    return "admin" if admin else "member"
+
+
 class KeyPublic(BaseModel):
     id: str
     tenant: str
@@ -59,6 +70,10 @@ class KeyPublic(BaseModel):
     prefix: str = Field(description="The key's visible start, to recognise it.")
     admin: bool = Field(description="Whether it is an admin key.")
     read_only: bool = Field(description="Whether it only reads.")
+    role: Role = Field(
+        description="Of `admin` and `read_only`: `member` (its team's jobs), `admin` (every team's, and "
+        "keys, limits), `reader` (reads its team's) or `auditor` (reads every team's)."
+    )
     created_at: datetime
     revoked_at: datetime | None
     expires_at: datetime | None = Field(description="When the key stops working; null: never.")
@@ -75,6 +90,7 @@ class KeyPublic(BaseModel):
             prefix=row.prefix,
             admin=row.admin,
             read_only=row.read_only,
+            role=role(row.admin, row.read_only),
             created_at=as_utc(row.created_at),  # type: ignore[arg-type]
             revoked_at=as_utc(row.revoked_at),
             expires_at=as_utc(row.expires_at),

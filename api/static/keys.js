@@ -4,12 +4,6 @@ import { api, el, minute as when, onSubmit, showError, showingErrors, showSecret
 const tbody = document.querySelector("#keys tbody");
 const error = document.getElementById("keys-error");
 
-// admin, member, or their read-only kinds: auditor (every team's), reader (its own team's).
-function role(key) {
-  if (key.read_only) return key.admin ? "auditor" : "reader";
-  return key.admin ? "admin" : "member";
-}
-
 function state(key) {
   if (key.revoked_at) return `revoked ${when(key.revoked_at)}`;
   if (key.expires_at && Date.parse(key.expires_at) <= Date.now()) return `expired ${when(key.expires_at)}`;
@@ -48,7 +42,7 @@ function row(key) {
   return el("tr", { attrs: { "data-key-id": key.id } }, [
     el("td", {}, [el("span", { text: key.name }), el("br"), el("small", { text: key.prefix, className: "muted mono" })]),
     el("td", { text: key.tenant }),
-    el("td", { text: role(key) }),
+    el("td", { text: key.role }),
     el("td", { text: state(key), className: "state" }),
     el("td", { text: key.last_used_at ? when(key.last_used_at) : "never", className: "used" }),
     el("td", {}, actions(key)),
@@ -79,7 +73,7 @@ onSubmit(document.getElementById("create"), (event) => {
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify(body),
     });
-    const kind = { admin: "admin ", auditor: "auditor ", reader: "read-only " }[role(created)] ?? "";
+    const kind = { admin: "admin ", auditor: "auditor ", reader: "read-only " }[created.role] ?? "";
     showSecret(`New ${kind}key ${created.id} for ${created.tenant}.`, created.key);
     event.target.reset();
   });
