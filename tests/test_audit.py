@@ -4,12 +4,15 @@ PostgreSQL."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from fastapi.testclient import TestClient
 
+from api.audit import ACTIONS
 from api.settings import Settings
 from tests.test_auth import ADMIN, bearer, make_key
 from tests.test_tenants import server
@@ -240,3 +243,10 @@ def test_without_keys_the_single_user_is_named(client: TestClient) -> None:
     (event,) = client.get("/audit").json()["data"]
     assert event["action"] == "webhook.created" and event["tenant"] == "default"
     assert event["actor"] == {"key_id": None, "tenant": "default", "who": None}
+
+
+def test_the_audit_pages_action_filter_offers_every_action() -> None:
+    """The dashboard's audit page lists the actions by hand: each one the API logs, and only those."""
+    page = (Path(__file__).resolve().parent.parent / "api/static/audit.html").read_text()
+    offered = re.findall(r"<option>([a-z_.]+)</option>", page)
+    assert offered == list(ACTIONS)
