@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from sqlalchemy import select as sa_select
@@ -20,7 +21,7 @@ from api.datasets import DatasetUnavailable, StorageUnreachable, check_dataset
 from api.db import session_scope
 from api.errors import ApiError
 from api.executors import Discards, Executor, ExecutorUnavailable, Observation
-from api.models import Job, Tenant, utcnow
+from api.models import Job, Tenant, as_utc, utcnow
 from api.observability import DispatcherStats, job_id_var
 from api.settings import Settings
 from api.states import ACTIVE, JobStatus
@@ -45,6 +46,10 @@ STOPPED = frozenset({EXIT_PREEMPTED, 128 + signal.SIGTERM, 128 + signal.SIGKILL}
 RESTARTS_BEFORE = "restarts_before"
 TEAM_WAIT = service.TEAM_WAIT  # how the status message of a job held back by its team's limits begins
 BUDGET = service.BUDGET  # (a job the server paused for its team's budget: once stopped it waits queued)
+STALLED = service.STALLED  # (one it stopped as its workers reported nothing: once stopped, queued again)
+# A pass this long after the last one's start (the dispatcher was away: stopped, not the leader, the
+# database down) times stalls afresh: the workers' reports meanwhile may still be on their way.
+STALL_WATCH_GAP = timedelta(seconds=60)
 
 
 class Leader(Protocol):
@@ -95,6 +100,8 @@ class Dispatcher:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        # Since when it has watched running jobs for stalls, and its last pass's start (_watch).
+        self._watching: tuple[datetime, datetime] | None = None
         # Webhooks are sent beside the dispatcher, in a thread of its own, by the leader only.
         self.webhooks: WebhookSender | None = None
         if settings.webhooks_enabled:
@@ -151,6 +158,7 @@ class Dispatcher:
         """One pass; True if it left jobs for the next one (it takes `PAGE` jobs of each kind at most)."""
         if self.leader is not None and not self.leader.is_leader():
             return False
+        self._watch(utcnow())
         more = False
         self._tenant_jobs.clear()
         self._limits = None
@@ -175,6 +183,14 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.passed()
         return more
+
+    def _watch(self, now: datetime) -> None:
+        """At a pass's start: running jobs are watched for stalls from the first pass, or the first after a
+        gap (STALL_WATCH_GAP)."""
+        start = (
+            now if self._watching is None or now - self._watching[1] > STALL_WATCH_GAP else self._watching[0]
+        )
+        self._watching = (start, now)
 
     def _queued_page(self, session: Session) -> tuple[list[Job], bool]:
         """The next page of queued jobs (as `_page`), less those whose data is a local file found unusable
@@ -479,7 +495,34 @@ class Dispatcher:
         elif self.settings.tenant_budget_pauses_running and (over := self._budget_held(session, job.tenant)):
             self._stop_for_budget(session, job, over)
         else:
-            self._reconcile(session, job, self.executor.observe(job))
+            seen = self.executor.observe(job)
+            if seen.state == "running" and (silent := self._silent_minutes(job, utcnow())) is not None:
+                self._stop_stalled(session, job, silent)
+            else:
+                self._reconcile(session, job, seen)
+
+    def _silent_minutes(self, job: Job, now: datetime) -> float | None:
+        """How long a running job's workers have reported nothing, if past TPUTUNE_STALL_MINUTES (timed from
+        the dispatcher's watch at the latest: reports may have waited for it, or for the database)."""
+        limit = self.settings.stall_minutes
+        if not limit or job.status != JobStatus.running or self._watching is None:
+            return None
+        reported = as_utc(job.reported_at) or as_utc(job.updated_at)
+        last = self._watching[0] if reported is None else max(reported, self._watching[0])
+        silent = (now - last).total_seconds() / 60
+        return silent if silent >= limit else None
+
+    def _stop_stalled(self, session: Session, job: Job, silent: float) -> None:
+        """Stop the run of a job whose workers stopped reporting, as a pause does: once stopped it is queued
+        again to go on from its last checkpoint (_pause), TPUTUNE_STALL_MAX_RESTARTS times; then it fails."""
+        message = (
+            f"Restarting: the workers reported nothing for {silent:,.0f} minutes (a host lost in a "
+            "collective, a read that never returns?); they are stopped, and the job goes on from its last "
+            "checkpoint."
+        )
+        if service.transition(session, job, JobStatus.pausing, message, event_data={"for": STALLED}):
+            log.warning("job %s stalled: no report for %.0f minutes; stopping its run", job.id, silent)
+            self._pause(session, job)
 
     def _follow_held(self, session: Session, job: Job) -> None:
         """A queued job whose run the platform holds (Kueue): say why it waits, move on once admitted."""
@@ -656,7 +699,11 @@ class Dispatcher:
             if seen.state != "gone" and not self.executor.cancel(job):
                 return  # stopping; the next pass looks again
         self._discard(job, best_effort=False)  # (the run's leftovers: resumed, it starts afresh)
-        if service.paused_for(session, job) == BUDGET:
+        paused_for = service.paused_for(session, job)
+        if paused_for == STALLED:
+            self._requeue_stalled(session, job)
+            return
+        if paused_for == BUDGET:
             # Paused (its chips let go, its pause counted; job.paused told), then queued again at once: it
             # waits for the budget with the others, and goes on from its checkpoint.
             message = "Paused for your team's monthly chip-hour budget; it waits in the queue to go on."
@@ -670,6 +717,27 @@ class Dispatcher:
             return
         message = "Paused: the workers stopped (saving a checkpoint on the way out); resume the job to go on."
         service.transition(session, job, JobStatus.paused, message)
+
+    def _requeue_stalled(self, session: Session, job: Job) -> None:
+        """A stalled job's run is stopped: it is queued again (through `paused`, as a paused job lets its
+        chips go), or fails once it stalled more than TPUTUNE_STALL_MAX_RESTARTS times."""
+        stalls, most = service.stalls(session, job), self.settings.stall_max_restarts
+        if stalls > most:
+            message = (
+                f"The workers stalled (reported nothing for TPUTUNE_STALL_MINUTES) {stalls} times; giving up "
+                f"(TPUTUNE_STALL_MAX_RESTARTS {most}). Its checkpoints are kept."
+            )
+            service.transition(
+                session, job, JobStatus.failed, message, error_code="worker_stalled", error_message=message
+            )
+            return
+        message = f"Stopped as stalled (restart {stalls} of {most}); queued again."
+        if service.transition(session, job, JobStatus.paused, message):
+            message = (
+                f"Queued again after its workers stalled (restart {stalls} of {most}); it goes on from its "
+                "last checkpoint."
+            )
+            service.transition(session, job, JobStatus.queued, message)
 
     def _discard(self, job: Job, best_effort: bool = True) -> None:
         if not isinstance(self.executor, Discards):

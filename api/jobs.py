@@ -922,15 +922,24 @@ def request_cancel(session: Session, tenant: str | None, job_id: str, by: str | 
 # who asked for a pause meanwhile (once stopped, it stays paused until resumed; the owner's pause of a
 # running job says nothing of it: None).
 BUDGET = "budget"
+STALLED = "stalled"  # (the server, as its workers reported nothing for TPUTUNE_STALL_MINUTES: queued again)
 OWNER = "owner"
 
 
 def paused_for(session: Session, job: Job) -> str | None:
-    """Who paused a pausing job, as its last status event that says: BUDGET, OWNER, or None (its owner)."""
+    """Who paused a pausing job, as its last status event that says: BUDGET, STALLED, OWNER, or None (its
+    owner)."""
     said = col(JobEvent.data)["for"].as_string().is_not(None)
     last = select(JobEvent.data).where(JobEvent.job_seq == job.seq, JobEvent.type == "status", said)
     data = session.exec(last.order_by(col(JobEvent.id).desc()).limit(1)).first()
     return (data or {}).get("for")
+
+
+def stalls(session: Session, job: Job) -> int:
+    """How many times the server stopped the job's run as stalled."""
+    said = col(JobEvent.data)["for"].as_string() == STALLED
+    count = select(func.count()).where(JobEvent.job_seq == job.seq, JobEvent.type == "status", said)
+    return int(session.exec(count).one())
 
 
 def request_pause(session: Session, tenant: str | None, job_id: str, by: str | None = None) -> Job:
@@ -941,7 +950,7 @@ def request_pause(session: Session, tenant: str | None, job_id: str, by: str | N
     who = f" by {by}" if by else ""
     for _ in range(5):
         job = get_job(session, tenant, job_id)
-        if job.status == JobStatus.pausing and paused_for(session, job) == BUDGET:
+        if job.status == JobStatus.pausing and paused_for(session, job) in (BUDGET, STALLED):
             message = f"Pause requested{who}; once its workers stop, the job stays paused until resumed."
             add_event(session, job, "status", message, data={"for": OWNER})
             session.commit()
@@ -1101,6 +1110,8 @@ def ingest_progress(session: Session, job: Job, batch: ProgressBatch) -> Progres
     inserted = _insert_ignore(session, rows)
     fresh = [by_key[k] for k in by_key if k in inserted]
     values = _aggregate(job, fresh)
+    if batch.reports:
+        values["reported_at"] = now  # (any report, one stored already too, says the workers are alive)
     if values:
         values["updated_at"] = now
         # A Core UPDATE: the ORM one also re-evaluated it against the objects in the session, for nothing.

@@ -59,6 +59,9 @@ class Job(SQLModel, table=True):
     # it waits queued. Until it ends, or is preempted, it holds them (api.tenants.spent, the usage report).
     admitted_at: datetime | None = _ts()
     cancel_requested_at: datetime | None = _ts()
+    # When its workers last reported (any report): a running job silent for TPUTUNE_STALL_MINUTES is
+    # stopped and run again from its last checkpoint (api.dispatcher).
+    reported_at: datetime | None = _ts()
 
     status_message: str | None = Field(default=None, max_length=2000)
     step: int = 0

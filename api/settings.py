@@ -62,6 +62,19 @@ class Settings(BaseSettings):
     max_local_processes: int = Field(default=8, ge=1, le=64)
     cancel_grace_seconds: float = Field(default=15.0, ge=0)
     local_max_restarts: int = Field(default=3, ge=0, description="Local restarts after a preemption exit.")
+    stall_minutes: float = Field(
+        default=30.0,
+        ge=0,
+        description="A running job whose workers reported nothing for this long (they report every step) "
+        "has stalled, a host lost in a collective or a read that never returns: its run is stopped and the "
+        "job queued again, to go on from its last checkpoint; 0: never.",
+    )
+    stall_max_restarts: int = Field(
+        default=2,
+        ge=0,
+        description="Runs of a job stopped as stalled that are started again; one more stall fails it "
+        "(worker_stalled).",
+    )
     dispatch_interval_seconds: float = Field(default=1.0, gt=0)
     dispatcher_enabled: bool = True
     dispatcher_process: bool = Field(

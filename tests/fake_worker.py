@@ -2,7 +2,8 @@
 (worker/protocol.py) to the real API and behaves as the job's `metadata["fake"]` says:
 
 succeed (default), fail, bad_input, silent_crash, hang (ignores SIGTERM), slow (runs until SIGTERM,
-then exits with the preempted code), preempt_once (exits preempted the first time, succeeds the next).
+then exits with the preempted code), preempt_once (exits preempted the first time, succeeds the next),
+stall (reports nothing after step 3, alive, until SIGTERM), stall_once (stalls on its first run only).
 """
 
 from __future__ import annotations
@@ -85,11 +86,19 @@ def main() -> int:
     if config.spec.metadata.get("resume") == "checkpoint" and (out / "checkpoint.json").exists():
         step = json.loads((out / "checkpoint.json").read_text())["step"]  # (as the real worker resumes)
         print(f"resumed from the checkpoint at step {step}", flush=True)
+    # stall: after step 3 it reports nothing more, alive, until SIGTERM (a host hung in a collective);
+    # stall_once: on its first run only.
+    stalls = mode == "stall" or (mode == "stall_once" and not (out / "stalled").exists())
     while mode in ("hang", "slow") or step < steps:
         step += 1
         send(
             {"kind": "metrics", "step": step, "total_steps": steps, "loss": 3.0 / step, "learning_rate": 1e-4}
         )
+        if stalls and step >= 3:
+            (out / "stalled").write_text("1")
+            print(f"stalled at step {step}", flush=True)
+            while not stop:
+                time.sleep(0.05)
         if stop:
             (out / "checkpoint.json").write_text(json.dumps({"step": step}))
             return EXIT_PREEMPTED

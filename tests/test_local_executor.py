@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
 import pytest
 
+from api.dispatcher import Dispatcher
+from api.models import Job
 from api.runner import process_start_time
+from api.settings import Settings
 
 FINAL = ("succeeded", "failed", "cancelled")
 
@@ -107,6 +111,83 @@ def _runner_pid(api, job_id: str) -> int:  # type: ignore[no-untyped-def]
 
 def _gone(pid: int) -> bool:
     return process_start_time(pid) is None
+
+
+def test_a_run_that_stops_reporting_is_stopped_and_goes_on_from_its_checkpoint(  # type: ignore[no-untyped-def]
+    live_api, dataset: Path
+) -> None:
+    """TPUTUNE_STALL_MINUTES: a running job whose workers report nothing for that long (alive, hung) has its
+    run stopped as a pause stops it, and is queued again to go on from its checkpoint; one that stalls
+    more than TPUTUNE_STALL_MAX_RESTARTS times fails (worker_stalled). A slower one that reports is left."""
+    api = live_api(stall_minutes=0.03, stall_max_restarts=1)  # (1.8 s)
+    once = submit(api, dataset, "stall_once", steps="8", resume="checkpoint")
+    always = submit(api, dataset, "stall", steps="8")
+    slow = submit(api, dataset, "succeed", steps="40", interval="0.1")  # (4 s: reports every 0.1 s)
+    api.wait_for(once, lambda j: j["status"] == "running")
+    pid = _runner_pid(api, once)
+    done = api.wait_for(once, lambda j: j["status"] in FINAL, timeout=60)
+    assert done["status"] == "succeeded", done
+    assert _gone(pid) and done["pauses"] == 1 and done["progress"]["step"] == 8
+    history = events(api, once)
+    moves = [e for e in history if "status" in (e["data"] or {}) and "from" in e["data"]]
+    assert [e["data"]["status"] for e in moves] == [
+        "starting", "running", "pausing", "paused", "queued", "starting", "running", "succeeded"
+    ]  # fmt: skip
+    assert moves[2]["data"]["for"] == "stalled"
+    assert re.fullmatch(
+        r"running → pausing: Restarting: the workers reported nothing for [0-9] minutes \(a host lost in a "
+        r"collective, a read that never returns\?\); they are stopped, and the job goes on from its last "
+        r"checkpoint\.",
+        moves[2]["message"],
+    ), moves[2]["message"]
+    assert moves[4]["message"] == (
+        "paused → queued: Queued again after its workers stalled (restart 1 of 1); it goes on from its last "
+        "checkpoint."
+    )
+    # It stalled at step 3, saved it on SIGTERM, and the next run went on from there.
+    steps = [e["step"] for e in history if e["type"] == "metrics"]
+    assert sorted(set(steps)) == list(range(1, 9)) and steps.count(3) == 1
+
+    failed = api.wait_for(always, lambda j: j["status"] in FINAL, timeout=60)
+    assert failed["status"] == "failed" and failed["error"]["code"] == "worker_stalled", failed
+    assert failed["error"]["message"] == (
+        "The workers stalled (reported nothing for TPUTUNE_STALL_MINUTES) 2 times; giving up "
+        "(TPUTUNE_STALL_MAX_RESTARTS 1). Its checkpoints are kept."
+    )
+    assert [e["data"]["status"] for e in events(api, always) if "from" in (e["data"] or {})][-3:] == [
+        "running",
+        "pausing",
+        "failed",
+    ]
+    finished = api.wait_for(slow, lambda j: j["status"] in FINAL, timeout=60)
+    assert finished["status"] == "succeeded" and finished["pauses"] == 0
+
+
+def test_stalls_are_timed_from_the_dispatchers_watch_not_before() -> None:
+    """A job's silence counts from its last report, or from the dispatcher's first pass if later (reports
+    may have waited for it: it was stopped, not the leader, or the database was away); a gap between
+    passes starts the watch again. Only running jobs stall; 0 minutes: none."""
+    dispatcher = Dispatcher(None, None, Settings(stall_minutes=5, webhooks_enabled=False))  # type: ignore[arg-type]
+    start = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)
+    job = Job(id="ft-a", name="a", status="running", model="tiny", method="lora", spec={}, executor="local")
+    job.output_uri, job.reported_at, job.updated_at = "/x", start - timedelta(hours=1), start
+    assert dispatcher._silent_minutes(job, start) is None  # (no pass yet)
+    for second in range(0, 400, 30):  # a pass each 30 s: watched from the first
+        dispatcher._watch(start + timedelta(seconds=second))
+    at = start + timedelta(seconds=390)
+    assert dispatcher._silent_minutes(job, at) == pytest.approx(6.5)
+    job.reported_at = at - timedelta(minutes=4)  # (a report since)
+    assert dispatcher._silent_minutes(job, at) is None
+    job.reported_at = start - timedelta(hours=1)
+    job.status = "pausing"
+    assert dispatcher._silent_minutes(job, at) is None
+    job.status = "running"
+    # Away for 2 minutes: the watch starts again.
+    dispatcher._watch(at + timedelta(minutes=2))
+    assert dispatcher._silent_minutes(job, at + timedelta(minutes=6)) is None
+    assert dispatcher._silent_minutes(job, at + timedelta(minutes=7)) == pytest.approx(5)
+    dispatcher.settings = Settings(stall_minutes=0, webhooks_enabled=False)
+    assert dispatcher._silent_minutes(job, at + timedelta(hours=9)) is None
 
 
 def test_cancel_running_job_stops_its_processes(live_api, dataset: Path) -> None:  # type: ignore[no-untyped-def]
