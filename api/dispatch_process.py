@@ -53,7 +53,7 @@ STATS_FILE = "dispatcher.stats"
 WAKE_FILE = "dispatcher.wake"
 RESTART_SECONDS = 1.0  # before starting another child after one exited on its own
 STOP_SECONDS = 15.0  # a child that has not ended its step by then is killed
-_STATS = struct.Struct("dd")  # the last pass (Unix time), launches
+_STATS = struct.Struct("ddd")  # the last pass (Unix time), launches, stalls
 _WAKE_PENDING = _STATS.size  # then a byte: 1 while a wake-up byte is in the FIFO, unread
 
 
@@ -71,9 +71,9 @@ class SharedStats(Collector):
         finally:
             os.close(fd)
 
-    def read(self) -> tuple[float, float]:
-        last_pass, launches = _STATS.unpack_from(self._map)
-        return last_pass, launches
+    def read(self) -> tuple[float, float, float]:
+        last_pass, launches, stalls = _STATS.unpack_from(self._map)
+        return last_pass, launches, stalls
 
     def passed(self) -> None:
         struct.pack_into("d", self._map, 0, time.time())
@@ -82,6 +82,9 @@ class SharedStats(Collector):
         launches = self.read()[1]
         struct.pack_into("d", self._map, 8, launches + 1)  # one writer: the child's dispatcher thread
 
+    def stalled(self) -> None:
+        struct.pack_into("d", self._map, 16, self.read()[2] + 1)
+
     def wake_pending(self) -> bool:
         return self._map[_WAKE_PENDING] == 1
 
@@ -89,10 +92,11 @@ class SharedStats(Collector):
         self._map[_WAKE_PENDING] = int(pending)
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        from api.observability import LAST_PASS, LAUNCHES
+        from api.observability import LAST_PASS, LAUNCHES, STALLS
 
-        last_pass, launches = self.read()
+        last_pass, launches, stalls = self.read()
         yield CounterMetricFamily(LAUNCHES[0], LAUNCHES[1], value=launches)
+        yield CounterMetricFamily(STALLS[0], STALLS[1], value=stalls)
         yield GaugeMetricFamily(LAST_PASS[0], LAST_PASS[1], value=last_pass)
 
 

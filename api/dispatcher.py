@@ -522,6 +522,8 @@ class Dispatcher:
         )
         if service.transition(session, job, JobStatus.pausing, message, event_data={"for": STALLED}):
             log.warning("job %s stalled: no report for %.0f minutes; stopping its run", job.id, silent)
+            if self.metrics is not None:
+                self.metrics.stalled()
             self._pause(session, job)
 
     def _follow_held(self, session: Session, job: Job) -> None:

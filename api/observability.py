@@ -81,11 +81,13 @@ class Metrics:
             multiprocess_mode="livesum",
         )
         self.launches: Counter | None = None
+        self.stalls: Counter | None = None
         self.last_pass: Gauge | None = None
         if dispatcher_stats is not None:
             self.registry.register(dispatcher_stats)
         else:
             self.launches = Counter(LAUNCHES[0], LAUNCHES[1], registry=own)
+            self.stalls = Counter(STALLS[0], STALLS[1], registry=own)
             self.last_pass = Gauge(LAST_PASS[0], LAST_PASS[1], registry=own, multiprocess_mode="max")
         if month_spent is None:
             month_spent = tenant_limits.MonthSpent(settings)
@@ -101,8 +103,13 @@ class Metrics:
         if self.launches is not None:
             self.launches.inc()
 
+    def stalled(self) -> None:
+        if self.stalls is not None:
+            self.stalls.inc()
+
 
 LAUNCHES = ("tputune_launches", "Worker launches (incl. restarts)")
+STALLS = ("tputune_stalls", "Runs stopped as stalled: no report for TPUTUNE_STALL_MINUTES")
 LAST_PASS = (
     "tputune_dispatcher_last_pass_timestamp_seconds",
     "When the dispatcher last finished a pass (reconcile lag = now - this)",
@@ -115,6 +122,8 @@ class DispatcherStats(Protocol):
     def passed(self) -> None: ...
 
     def launched(self) -> None: ...
+
+    def stalled(self) -> None: ...
 
 
 # Each tenant's limits (api.tenants.LIMITS), as gauges: tputune_tenant_<limit>.

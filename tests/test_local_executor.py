@@ -161,6 +161,7 @@ def test_a_run_that_stops_reporting_is_stopped_and_goes_on_from_its_checkpoint( 
     ]
     finished = api.wait_for(slow, lambda j: j["status"] in FINAL, timeout=60)
     assert finished["status"] == "succeeded" and finished["pauses"] == 0
+    assert api.gauge("tputune_stalls_total") == 3  # (once's, and always' two)
 
 
 def test_stalls_are_timed_from_the_dispatchers_watch_not_before() -> None:
