@@ -293,6 +293,42 @@ def test_a_running_job_past_its_budget_is_stopped_and_its_owners_pause_then_keep
     assert waiting["status_message"].startswith("Waiting: ")
 
 
+def test_a_stalled_run_is_deleted_and_the_job_launched_anew(
+    k8s_api: Callable[..., LiveApi], cluster: Cluster, fake_k8s: FakeKubernetes, dataset_uri: str
+) -> None:
+    """TPUTUNE_STALL_MINUTES on Kubernetes: pods running but no report for that long: the JobSet is
+    deleted (its pods get SIGTERM and save a checkpoint), and the job is launched anew, a new JobSet of the
+    same name that goes on from the checkpoint in GCS; while it reports, it is left alone."""
+    api = k8s_api(stall_minutes=0.03)  # (1.8 s)
+    job_id = submit(api, dataset_uri)
+    first = cluster.wait_jobset(job_id)
+    running(api, cluster, job_id)
+    for step in range(1, 6):  # reporting: not stalled, however long it runs
+        time.sleep(0.5)
+        metrics = {"kind": "metrics", "step": step, "loss": 2.0}
+        assert cluster.report(api.url, job_id, metrics).status_code == 200
+    assert job(api, job_id)["status"] == "running" and fake_k8s.count("create", "jobsets") == 1
+    wait_deleted(fake_k8s, job_id)
+    queued = api.wait_for(job_id, lambda j: j["status"] not in ("running", "pausing", "paused"))
+    assert queued["status_message"].startswith("Queued again after its workers stalled (restart 1 of 2)")
+    second = cluster.wait_jobset(job_id)
+    assert second["metadata"]["uid"] != first["metadata"]["uid"]
+    running(api, cluster, job_id)
+    cluster.complete(job_id)
+    done = api.wait_for(job_id, lambda j: j["status"] in FINAL)
+    assert done["status"] == "succeeded" and done["pauses"] == 1
+    assert statuses(api, job_id)[2:] == [
+        "running",
+        "pausing",
+        "paused",
+        "queued",
+        "starting",
+        "running",
+        "succeeded",
+    ]
+    assert fake_k8s.count("create", "jobsets") == 2
+
+
 def test_restarts_after_a_resume_are_counted(
     k8s_api: Callable[..., LiveApi], cluster: Cluster, dataset_uri: str
 ) -> None:
