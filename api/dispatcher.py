@@ -704,25 +704,32 @@ class Dispatcher:
         paused_for = service.paused_for(session, job)
         if paused_for == STALLED:
             self._requeue_stalled(session, job)
-            return
-        if paused_for == BUDGET:
-            # Paused (its chips let go, its pause counted; job.paused told), then queued again at once: it
-            # waits for the budget with the others, and goes on from its checkpoint.
-            message = "Paused for your team's monthly chip-hour budget; it waits in the queue to go on."
-            if service.transition(session, job, JobStatus.paused, message):
-                why = self._budget_wait(session, job.tenant)
-                if why is None:  # (the budget was raised meanwhile)
-                    service.transition(session, job, JobStatus.queued, "Queued again to go on.")
-                else:
-                    data = {"waiting": "team_limit"}
-                    service.transition(session, job, JobStatus.queued, why, event_data=data)
-            return
-        message = "Paused: the workers stopped (saving a checkpoint on the way out); resume the job to go on."
-        service.transition(session, job, JobStatus.paused, message)
+        elif paused_for == BUDGET:  # (it waits for the budget with the others)
+            paused = "Paused for your team's monthly chip-hour budget; it waits in the queue to go on."
+            why = self._budget_wait(session, job.tenant)
+            if why is None:  # (the budget was raised meanwhile)
+                self._requeue(session, job, paused, "Queued again to go on.")
+            else:
+                self._requeue(session, job, paused, why, {"waiting": "team_limit"})
+        else:
+            message = (
+                "Paused: the workers stopped (saving a checkpoint on the way out); resume the job to go on."
+            )
+            service.transition(session, job, JobStatus.paused, message)
+
+    @staticmethod
+    def _requeue(
+        session: Session, job: Job, paused: str, queued: str, data: dict[str, Any] | None = None
+    ) -> None:
+        """A job whose run the server stopped (pausing) goes on: paused (its chips let go, its pause
+        counted, job.paused told), then queued again at once, to go on from its last checkpoint when its
+        turn comes; `paused` and `queued` say why. Unless it moved on meanwhile (a cancel)."""
+        if service.transition(session, job, JobStatus.paused, paused):
+            service.transition(session, job, JobStatus.queued, queued, event_data=data)
 
     def _requeue_stalled(self, session: Session, job: Job) -> None:
-        """A stalled job's run is stopped: it is queued again (through `paused`, as a paused job lets its
-        chips go), or fails once it stalled more than TPUTUNE_STALL_MAX_RESTARTS times."""
+        """A stalled job's run is stopped: it is queued again, or fails once it stalled more than
+        TPUTUNE_STALL_MAX_RESTARTS times."""
         stalls, most = service.stalls(session, job), self.settings.stall_max_restarts
         if stalls > most:
             message = (
@@ -733,13 +740,12 @@ class Dispatcher:
                 session, job, JobStatus.failed, message, error_code="worker_stalled", error_message=message
             )
             return
-        message = f"Stopped as stalled (restart {stalls} of {most}); queued again."
-        if service.transition(session, job, JobStatus.paused, message):
-            message = (
-                f"Queued again after its workers stalled (restart {stalls} of {most}); it goes on from its "
-                "last checkpoint."
-            )
-            service.transition(session, job, JobStatus.queued, message)
+        paused = f"Stopped as stalled (restart {stalls} of {most}); queued again."
+        queued = (
+            f"Queued again after its workers stalled (restart {stalls} of {most}); it goes on from its last "
+            "checkpoint."
+        )
+        self._requeue(session, job, paused, queued)
 
     def _discard(self, job: Job, best_effort: bool = True) -> None:
         if not isinstance(self.executor, Discards):
