@@ -100,8 +100,11 @@ class Dispatcher:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        # Since when it has watched running jobs for stalls, and its last pass's start (_watch).
+        # Since when it has watched running jobs for stalls, and its last pass's start (_watch); and when
+        # a running job's run last started again (its workers pending, or restarted by the platform), until
+        # it reports after that: its silence counts from then.
         self._watching: tuple[datetime, datetime] | None = None
+        self._run_started: dict[str, datetime] = {}
         # Webhooks are sent beside the dispatcher, in a thread of its own, by the leader only.
         self.webhooks: WebhookSender | None = None
         if settings.webhooks_enabled:
@@ -496,10 +499,12 @@ class Dispatcher:
             self._stop_for_budget(session, job, over)
         else:
             seen = self.executor.observe(job)
-            if seen.state == "running" and (silent := self._silent_minutes(job, utcnow())) is not None:
+            if seen.state != "running" or self._restarts(job, seen) > job.restarts:
+                self._run_started[job.id] = utcnow()  # (a run that starts anew: its first report comes later)
+            elif (silent := self._silent_minutes(job, utcnow())) is not None:
                 self._stop_stalled(session, job, silent)
-            else:
-                self._reconcile(session, job, seen)
+                return
+            self._reconcile(session, job, seen)
 
     def _silent_minutes(self, job: Job, now: datetime) -> float | None:
         """How long a running job's workers have reported nothing, if past TPUTUNE_STALL_MINUTES (timed from
@@ -508,7 +513,11 @@ class Dispatcher:
         if not limit or job.status != JobStatus.running or self._watching is None:
             return None
         reported = as_utc(job.reported_at) or as_utc(job.updated_at)
-        last = self._watching[0] if reported is None else max(reported, self._watching[0])
+        started = self._run_started.get(job.id)
+        if started is not None and reported is not None and reported > started:
+            del self._run_started[job.id]  # (its new run reported)
+            started = None
+        last = max(time for time in (reported, started, self._watching[0]) if time is not None)
         silent = (now - last).total_seconds() / 60
         return silent if silent >= limit else None
 
@@ -522,6 +531,7 @@ class Dispatcher:
         )
         if service.transition(session, job, JobStatus.pausing, message, event_data={"for": STALLED}):
             log.warning("job %s stalled: no report for %.0f minutes; stopping its run", job.id, silent)
+            self._run_started.pop(job.id, None)
             if self.metrics is not None:
                 self.metrics.stalled()
             self._pause(session, job)
@@ -575,8 +585,13 @@ class Dispatcher:
             session.add(job)
             session.commit()
 
+    @staticmethod
+    def _restarts(job: Job, seen: Observation) -> int:
+        """The job's restarts by the platform, with those of its runs before this one."""
+        return int((job.launch or {}).get(RESTARTS_BEFORE, 0)) + seen.restarts
+
     def _reconcile(self, session: Session, job: Job, seen: Observation) -> None:
-        restarts = (job.launch or {}).get(RESTARTS_BEFORE, 0) + seen.restarts
+        restarts = self._restarts(job, seen)
         if restarts > job.restarts:
             self._restarted(session, job, seen, restarts)
         waited = self._pending_notes.pop(job.id, None) if seen.state != "pending" else None
@@ -659,6 +674,7 @@ class Dispatcher:
         session.add(job)
         session.commit()
         job.launch = self.executor.restart(job, token)
+        self._run_started[job.id] = utcnow()
         if self.metrics is not None:
             self.metrics.launched()
         job.status_message = (

@@ -166,8 +166,8 @@ def test_a_run_that_stops_reporting_is_stopped_and_goes_on_from_its_checkpoint( 
 
 def test_stalls_are_timed_from_the_dispatchers_watch_not_before() -> None:
     """A job's silence counts from its last report, or from the dispatcher's first pass if later (reports
-    may have waited for it: it was stopped, not the leader, or the database was away); a gap between
-    passes starts the watch again. Only running jobs stall; 0 minutes: none."""
+    may have waited for it: it was stopped, not the leader, or the database was away), or from when its run
+    last started anew; a gap between passes starts the watch again. Only running jobs stall; 0: none."""
     dispatcher = Dispatcher(None, None, Settings(stall_minutes=5, webhooks_enabled=False))  # type: ignore[arg-type]
     start = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)
     job = Job(id="ft-a", name="a", status="running", model="tiny", method="lora", spec={}, executor="local")
@@ -183,6 +183,13 @@ def test_stalls_are_timed_from_the_dispatchers_watch_not_before() -> None:
     job.status = "pausing"
     assert dispatcher._silent_minutes(job, at) is None
     job.status = "running"
+    # Its run started anew (pending, restarted by the platform): timed from then, until it reports.
+    dispatcher._run_started["ft-a"] = at - timedelta(minutes=3)
+    assert dispatcher._silent_minutes(job, at) is None
+    assert dispatcher._silent_minutes(job, at + timedelta(minutes=2)) == pytest.approx(5)
+    job.reported_at = at - timedelta(minutes=2)
+    assert dispatcher._silent_minutes(job, at) is None and "ft-a" not in dispatcher._run_started
+    job.reported_at = start - timedelta(hours=1)
     # Away for 2 minutes: the watch starts again.
     dispatcher._watch(at + timedelta(minutes=2))
     assert dispatcher._silent_minutes(job, at + timedelta(minutes=6)) is None

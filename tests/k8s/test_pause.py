@@ -298,16 +298,25 @@ def test_a_stalled_run_is_deleted_and_the_job_launched_anew(
 ) -> None:
     """TPUTUNE_STALL_MINUTES on Kubernetes: pods running but no report for that long: the JobSet is
     deleted (its pods get SIGTERM and save a checkpoint), and the job is launched anew, a new JobSet of the
-    same name that goes on from the checkpoint in GCS; while it reports, it is left alone."""
-    api = k8s_api(stall_minutes=0.03)  # (1.8 s)
+    same name that goes on from the checkpoint in GCS. While it reports it is left alone, and a run the
+    JobSet restarted is timed from its restart."""
+    api = k8s_api(stall_minutes=0.1)  # (6 s)
     job_id = submit(api, dataset_uri)
     first = cluster.wait_jobset(job_id)
     running(api, cluster, job_id)
-    for step in range(1, 6):  # reporting: not stalled, however long it runs
-        time.sleep(0.5)
+    for step in range(1, 9):  # reporting: not stalled, however long it runs
+        time.sleep(1)
         metrics = {"kind": "metrics", "step": step, "loss": 2.0}
         assert cluster.report(api.url, job_id, metrics).status_code == 200
+    last_report = time.monotonic()
     assert job(api, job_id)["status"] == "running" and fake_k8s.count("create", "jobsets") == 1
+    time.sleep(2)
+    cluster.restart(job_id)  # (a pod failed: the JobSet recreates them; the new run reports later)
+    api.wait_for(job_id, lambda j: j["restarts"] == 1)
+    time.sleep(max(0.0, last_report + 7 - time.monotonic()))  # (silent for 7 s, but restarted since)
+    assert job(api, job_id)["status"] == "running"
+    assert fake_k8s.count("create", "jobsets") == 1 and cluster.jobset(job_id) is not None
+    # Its new run reports nothing either: stalled.
     wait_deleted(fake_k8s, job_id)
     queued = api.wait_for(job_id, lambda j: j["status"] not in ("running", "pausing", "paused"))
     assert queued["status_message"].startswith("Queued again after its workers stalled (restart 1 of 2)")
