@@ -481,44 +481,53 @@ def test_the_dispatcher_holds_each_tenants_jobs_to_its_own_limits(live_api, data
         )
 
 
+def into_the_month(monkeypatch: pytest.MonkeyPatch) -> tuple[datetime, datetime, datetime]:
+    """(now, this month's start, the tenants' clock now): that clock at least 3 hours into the month (a
+    test's jobs held their processes for the last two hours), and its months' hours read each time."""
+    real = datetime.now(UTC)
+    start = tenants.month_start(real)
+    now = real if real - start >= timedelta(hours=3) else start + timedelta(days=1)
+    monkeypatch.setattr(tenants, "utcnow", lambda: now + (datetime.now(UTC) - real))
+    monkeypatch.setattr(tenants.MonthSpent, "SECONDS", 0.0)  # (read again each time: no 30 s to wait)
+    return real, start, now
+
+
+def team_keys(http: Any) -> dict[str, dict[str, str]]:
+    """An API key each for research and vision, made with the admin's."""
+    made = {
+        team: http.post("/admin/keys", json={"tenant": team, "name": team}) for team in ("research", "vision")
+    }
+    return {team: bearer(answer.json()["key"]) for team, answer in made.items()}
+
+
+def ran_before(api: Any, *runs: tuple[str, datetime, datetime]) -> None:
+    """Jobs (id, began, ended) written as the dispatcher would have after they ran then."""
+    engine = make_engine(api.settings.database_url)
+    with Session(engine) as session:
+        for job_id, began, ended in runs:
+            job = session.exec(select(Job).where(Job.id == job_id)).one()
+            job.status, job.admitted_at, job.started_at, job.finished_at = "succeeded", began, began, ended
+            session.add(job)
+        session.commit()
+    engine.dispose()
+
+
 def test_a_team_that_used_its_months_chip_hours_waits_for_a_higher_budget(  # type: ignore[no-untyped-def]
     live_api, dataset: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A monthly chip-hour budget: once a team's jobs held it this month (as GET /usage counts them), its
     queued jobs wait, saying until when, and another team's run; the team sees the hours; a higher budget
     starts them. Counted from the month's start: a job of last month's counts for its hours in this one."""
-    real = datetime.now(UTC)
-    start = tenants.month_start(real)
-    # (The job below held its processes for the last two hours: at least that far into the month.)
-    now = real if real - start >= timedelta(hours=3) else start + timedelta(days=1)
-    monkeypatch.setattr(tenants, "utcnow", lambda: now + (datetime.now(UTC) - real))
-    monkeypatch.setattr(tenants.MonthSpent, "SECONDS", 0.0)  # (read again each time: no 30 s to wait)
+    _, start, now = into_the_month(monkeypatch)
     api = live_api(admin_key=ADMIN, rate_limit_per_second=0, dispatcher_process=False, max_local_processes=8)
     api.headers = bearer(ADMIN)
     with api.client() as http:
-        keys = {}
-        for team in ("research", "vision"):
-            keys[team] = bearer(http.post("/admin/keys", json={"tenant": team, "name": team}).json()["key"])
+        keys = team_keys(http)
         # research's jobs held 4 processes for the last two hours, and 4 more for the last hour of last month
         # (written as the dispatcher would have; they stay queued until then)
         assert http.patch("/admin/tenants/research", json={"max_active_jobs": 0}).status_code == 200
         ran = [http.post("/jobs", json=body(dataset, 4), headers=keys["research"]).json()["id"] for _ in "ab"]
-        engine = make_engine(api.settings.database_url)
-        with Session(engine) as session:
-            for job_id, began, ended in (
-                (ran[0], now - timedelta(hours=2), now),
-                (ran[1], start - timedelta(hours=1), start),
-            ):
-                job = session.exec(select(Job).where(Job.id == job_id)).one()
-                job.status, job.admitted_at, job.started_at, job.finished_at = (
-                    "succeeded",
-                    began,
-                    began,
-                    ended,
-                )
-                session.add(job)
-            session.commit()
-        engine.dispose()
+        ran_before(api, (ran[0], now - timedelta(hours=2), now), (ran[1], start - timedelta(hours=1), start))
         # (SQLite's julianday() may make the 8 hours 7.99999: a budget of 7 is clearly held)
         budget = {"max_active_jobs": None, "max_chip_hours_per_month": 7}
         set_budget = http.patch("/admin/tenants/research", json=budget).json()
@@ -557,12 +566,7 @@ def test_past_its_budget_a_teams_running_job_stops_with_a_checkpoint_and_goes_on
     """TPUTUNE_TENANT_BUDGET_PAUSES_RUNNING: once a team's jobs held its month's chip-hours, its running job
     is stopped as a pause stops it (its worker saves a checkpoint), told as paused, and waits in the queue
     saying why; another team's job runs on; a higher budget starts it again, from its checkpoint."""
-    real = datetime.now(UTC)
-    start = tenants.month_start(real)
-    # (The job below held its processes for the last two hours: at least that far into the month.)
-    now = real if real - start >= timedelta(hours=3) else start + timedelta(days=1)
-    monkeypatch.setattr(tenants, "utcnow", lambda: now + (datetime.now(UTC) - real))
-    monkeypatch.setattr(tenants.MonthSpent, "SECONDS", 0.0)  # (read again each time: no 30 s to wait)
+    real, _, now = into_the_month(monkeypatch)
     api = live_api(
         admin_key=ADMIN,
         rate_limit_per_second=0,
@@ -572,20 +576,11 @@ def test_past_its_budget_a_teams_running_job_stops_with_a_checkpoint_and_goes_on
     )
     api.headers = bearer(ADMIN)
     with api.client() as http:
-        keys = {}
-        for team in ("research", "vision"):
-            keys[team] = bearer(http.post("/admin/keys", json={"tenant": team, "name": team}).json()["key"])
+        keys = team_keys(http)
         # research's jobs held 4 processes for the last two hours (one written as the dispatcher would have)
         assert http.patch("/admin/tenants/research", json={"max_active_jobs": 0}).status_code == 200
         ran = http.post("/jobs", json=body(dataset, 4), headers=keys["research"]).json()["id"]
-        began = now - timedelta(hours=2)
-        engine = make_engine(api.settings.database_url)
-        with Session(engine) as session:
-            job = session.exec(select(Job).where(Job.id == ran)).one()
-            job.status, job.admitted_at, job.started_at, job.finished_at = "succeeded", began, began, now
-            session.add(job)
-            session.commit()
-        engine.dispose()
+        ran_before(api, (ran, now - timedelta(hours=2), now))
         assert http.patch("/admin/tenants/research", json={"max_active_jobs": None}).status_code == 200
 
         slow = {**body(dataset, fake="slow"), "metadata": {"fake": "slow", "resume": "checkpoint"}}
