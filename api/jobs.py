@@ -918,11 +918,12 @@ def request_cancel(session: Session, tenant: str | None, job_id: str, by: str | 
 
 
 # Who paused a pausing job, in its status events' data "for" (`paused_for`): the server, as its team's jobs
-# held the team's monthly chip-hours (once stopped, the job waits in the queue to go on), or its owner
-# who asked for a pause meanwhile (once stopped, it stays paused until resumed; the owner's pause of a
-# running job says nothing of it: None).
+# held the team's monthly chip-hours (BUDGET) or as its workers reported nothing for TPUTUNE_STALL_MINUTES
+# (STALLED), once stopped the job is queued again to go on; or its owner, who asked for a pause meanwhile
+# (OWNER: once stopped, it stays paused until resumed; the owner's pause of a running job says nothing of
+# it: None).
 BUDGET = "budget"
-STALLED = "stalled"  # (the server, as its workers reported nothing for TPUTUNE_STALL_MINUTES: queued again)
+STALLED = "stalled"
 OWNER = "owner"
 
 
@@ -946,7 +947,7 @@ def request_pause(session: Session, tenant: str | None, job_id: str, by: str | N
     """Pause the job (of `tenant`'s; None: any): at once if it never launched, else `pausing` until its
     workers have saved a checkpoint and stopped (the dispatcher ends the run; its chips are let go). A
     paused job stays so until resumed (`request_resume`); its checkpoints and history are kept. One the
-    server is pausing for its team's budget then stays paused too, not queued to go on."""
+    server is stopping (its team's budget, a stall) then stays paused too, not queued to go on."""
     who = f" by {by}" if by else ""
     for _ in range(5):
         job = get_job(session, tenant, job_id)
