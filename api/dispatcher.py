@@ -52,6 +52,14 @@ STALLED = service.STALLED  # (one it stopped as its workers reported nothing: on
 STALL_WATCH_GAP = timedelta(seconds=60)
 
 
+def _over_budget(over: tuple[float, int]) -> str:
+    """How a team's jobs are past its monthly budget, (chip-hours held, budget), as its jobs say it."""
+    held, budget = over
+    if budget == 0:
+        return "your team may use no chip-hours now (budget 0)"
+    return f"your team's jobs held {held:,.0f} of its {budget:,} chip-hours this month"
+
+
 class Leader(Protocol):
     """api.leader.LeaderElector (not imported here: it needs the Kubernetes client)."""
 
@@ -450,13 +458,12 @@ class Dispatcher:
         over = self._budget_held(session, tenant, limits)
         if over is None:
             return None
-        held, budget = over
-        if budget == 0:
-            return f"{TEAM_WAIT}your team may use no chip-hours now (budget 0); ask your admin to raise it."
+        if over[1] == 0:
+            return f"{TEAM_WAIT}{_over_budget(over)}; ask your admin to raise it."
         until = tenants.next_month(utcnow())
         return (
-            f"{TEAM_WAIT}your team's jobs held {held:,.0f} of its {budget:,} chip-hours this month; "
-            f"it starts on {until:%Y-%m-%d} (UTC), or once an admin raises the budget."
+            f"{TEAM_WAIT}{_over_budget(over)}; it starts on {until:%Y-%m-%d} (UTC), or once an admin raises "
+            "the budget."
         )
 
     def _stop_for_budget(self, session: Session, job: Job, over: tuple[float, int]) -> None:
@@ -464,15 +471,9 @@ class Dispatcher:
         workers save a checkpoint): once stopped it waits in the queue (_pause), and goes on from the
         checkpoint when the budget allows. A run the platform holds (Kueue) is stopped in any case: queued
         jobs wait for the budget; a running one only with TPUTUNE_TENANT_BUDGET_PAUSES_RUNNING."""
-        held, budget = over
-        why = (
-            f"your team's jobs held {held:,.0f} of its {budget:,} chip-hours this month"
-            if budget
-            else "your team may use no chip-hours now (budget 0)"
-        )
         message = (
-            f"Pausing: {why}; the workers save a checkpoint and stop, and the job waits in the queue to go "
-            "on from it."
+            f"Pausing: {_over_budget(over)}; the workers save a checkpoint and stop, and the job waits in "
+            "the queue to go on from it."
         )
         if service.transition(session, job, JobStatus.pausing, message, event_data={"for": BUDGET}):
             self._pause(session, job)
@@ -499,8 +500,10 @@ class Dispatcher:
             self._stop_for_budget(session, job, over)
         else:
             seen = self.executor.observe(job)
-            if seen.state != "running" or self._restarts(job, seen) > job.restarts:
-                self._run_started[job.id] = utcnow()  # (a run that starts anew: its first report comes later)
+            if job.status == JobStatus.running and (
+                seen.state != "running" or self._restarts(job, seen) > job.restarts
+            ):  # (a run that starts anew: its first report comes later; a starting job is not watched)
+                self._run_started[job.id] = utcnow()
             elif (silent := self._silent_minutes(job, utcnow())) is not None:
                 self._stop_stalled(session, job, silent)
                 return

@@ -46,7 +46,7 @@ class Metrics:
         multiprocess: bool = False,
         *,
         settings: Settings,
-        month_spent: tenant_limits.MonthSpent | None = None,
+        month_spent: tenant_limits.MonthSpent,
     ) -> None:
         self.registry = CollectorRegistry()
         own: CollectorRegistry | None = self.registry
@@ -89,8 +89,6 @@ class Metrics:
             self.launches = Counter(LAUNCHES[0], LAUNCHES[1], registry=own)
             self.stalls = Counter(STALLS[0], STALLS[1], registry=own)
             self.last_pass = Gauge(LAST_PASS[0], LAST_PASS[1], registry=own, multiprocess_mode="max")
-        if month_spent is None:
-            month_spent = tenant_limits.MonthSpent(settings)
         self.registry.register(_JobsByStatus(engine, settings, month_spent))
 
     # --- DispatcherStats, for a dispatcher thread ---
