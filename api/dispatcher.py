@@ -742,9 +742,15 @@ class Dispatcher:
     ) -> None:
         """A job whose run the server stopped (pausing) goes on: paused (its chips let go, its pause
         counted, job.paused told), then queued again at once, to go on from its last checkpoint when its
-        turn comes; `paused` and `queued` say why. Unless it moved on meanwhile (a cancel)."""
-        if service.transition(session, job, JobStatus.paused, paused):
-            service.transition(session, job, JobStatus.queued, queued, event_data=data)
+        turn comes; `paused` and `queued` say why. Unless it moved on meanwhile (a cancel). Both moves are
+        one transaction: a dispatcher that dies between them would leave the job paused, for its owner to
+        resume, when nobody paused it."""
+        if service.transition(session, job, JobStatus.paused, paused, commit=False):
+            try:
+                service.transition(session, job, JobStatus.queued, queued, event_data=data)
+            except BaseException:
+                session.rollback()  # (neither move: the next pass stops it again)
+                raise
 
     def _requeue_stalled(self, session: Session, job: Job) -> None:
         """A stalled job's run is stopped: it is queued again, or fails once it stalled more than

@@ -740,10 +740,12 @@ def transition(
     message: str | None = None,
     check: Callable[[], None] | None = None,
     event_data: dict[str, Any] | None = None,
+    commit: bool = True,
     **fields: Any,
 ) -> bool:
     """Move `job` to `target` if it is still in the status it was read with; commit; False if it moved on.
-    Its status event's data is `{"status", "from"}`, and `event_data` if given.
+    Its status event's data is `{"status", "from"}`, and `event_data` if given. `commit=False`: the move is
+    left for the caller to commit, with a next one (moves that must happen together or not at all).
 
     `check`, if given, runs after the move and before the commit, in the same transaction (it sees the
     move); if it raises, the move is rolled back and the error goes on to the caller.
@@ -789,7 +791,8 @@ def transition(
     event = _status_event(current, target, message)
     data = event["data"] if event_data is None else {**event["data"], **event_data}
     add_event(session, job, "status", event["message"], level=event["level"], data=data)
-    session.commit()
+    if commit:
+        session.commit()
     for name, value in values.items():
         set_committed_value(job, name, value)  # what the row now holds, without marking the job changed
     return True

@@ -164,6 +164,33 @@ def test_a_run_that_stops_reporting_is_stopped_and_goes_on_from_its_checkpoint( 
     assert api.gauge("tputune_stalls_total") == 3  # (once's, and always' two)
 
 
+def test_a_dispatcher_that_dies_between_pausing_and_queueing_a_stopped_run_leaves_no_paused_job(  # type: ignore[no-untyped-def]
+    live_api, dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run the server stopped (stalled here; a budget alike) goes paused then queued in one transaction:
+    a dispatcher that fails between the two moves (as it would dying there) leaves the job pausing, and
+    its next pass queues it. Were the first move committed alone, the job would stay paused, waiting for
+    an owner who never paused it."""
+    from api import jobs
+
+    transition, failed = jobs.transition, []
+
+    def dies_before_queueing(session, job, target, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if target == jobs.JobStatus.queued and job.status == jobs.JobStatus.paused and not failed:
+            failed.append(job.id)
+            raise RuntimeError("the dispatcher died here")
+        return transition(session, job, target, *args, **kwargs)
+
+    monkeypatch.setattr(jobs, "transition", dies_before_queueing)
+    api = live_api(stall_minutes=0.03, stall_max_restarts=1, dispatcher_process=False)
+    job_id = submit(api, dataset, "stall_once", steps="6", resume="checkpoint")
+    done = api.wait_for(job_id, lambda j: j["status"] in FINAL, timeout=60)
+    assert failed == [job_id] and done["status"] == "succeeded", done
+    moves = [e["data"]["status"] for e in events(api, job_id) if "from" in (e["data"] or {})]
+    assert moves == ["starting", "running", "pausing", "paused", "queued", "starting", "running", "succeeded"]
+    assert done["pauses"] == 1
+
+
 def test_stalls_are_timed_from_the_dispatchers_watch_not_before() -> None:
     """A job's silence counts from its last report, or from the dispatcher's first pass if later (reports
     may have waited for it: it was stopped, not the leader, or the database was away), or from when its run
