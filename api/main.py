@@ -144,6 +144,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
     each key's share of followed streams are shared with them."""
     settings = settings or Settings()
     settings.ensure_dirs()
+    own_engine = engine is None
     engine = engine or make_engine(settings.resolved_database_url, settings.database_pool_size)
     executor = make_executor(settings)
     job_reader = make_reader(engine)
@@ -212,6 +213,8 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, worker: 
             if isinstance(executor, Closeable):
                 executor.close()
             await job_reader.close()
+            if own_engine:  # (its pooled connections closed now, not by the garbage collector, perhaps
+                engine.dispose()  # after the database went away)
 
     # FastAPI's own OpenTelemetry is off: tputune's figures are /metrics and its logs, and asking whether
     # a tracer was configured cost 5% of a request's CPU time (it reads the environment every time).

@@ -49,6 +49,34 @@ def test_create_and_get(client: TestClient, dataset: Path) -> None:
     assert fetched == {**job, "queue_position": 1}
 
 
+def test_a_stopped_app_leaves_no_connection_open(make_settings, dataset: Path) -> None:  # type: ignore[no-untyped-def]
+    """At shutdown the app closes its database connections itself: left to the garbage collector, a
+    PostgreSQL one was finalized after its server had stopped (a traceback at exit), and a server a
+    rolling update stops held connections until then."""
+    from sqlalchemy import create_engine, text
+
+    from api.main import create_app
+
+    settings = make_settings(dispatcher_enabled=False)
+    app = create_app(settings)
+    with TestClient(app) as client:
+        job = client.post("/jobs", json=job_body(dataset)).json()
+        assert client.get(f"/jobs/{job['id']}").status_code == 200
+        assert app.state.engine.pool.checkedin() > 0
+    assert app.state.engine.pool.checkedin() == 0
+    if settings.resolved_database_url.startswith("postgresql"):
+        others = text(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid()"
+        )
+        probe = create_engine(settings.resolved_database_url)
+        try:
+            with probe.connect() as connection:
+                assert connection.execute(others).scalar() == 0
+        finally:
+            probe.dispose()
+
+
 def test_unknown_job_is_404(client: TestClient) -> None:
     for method, path in [
         ("get", "/jobs/ft-nope"),
