@@ -103,7 +103,11 @@ class Server:
         self.data_dir = tmp_path / "state"
         self.dataset = dataset
         self.log = tmp_path / "api.log"
+        # Its temporary folders (the metrics folder of its workers) in a folder of its own: a server starting
+        # removes those that servers now dead left in its temporary folder, another test's among them.
+        (tmp_path / "tmp").mkdir(exist_ok=True)
         self.env = {
+            "TMPDIR": str(tmp_path / "tmp"),
             "TPUTUNE_DATA_DIR": str(self.data_dir),
             "TPUTUNE_PORT": str(self.port),
             "TPUTUNE_ALLOWED_DATA_ROOTS": str(dataset.parent),
