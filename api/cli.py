@@ -114,7 +114,7 @@ def _print_job(job: dict[str, Any]) -> None:
 
 def interruptions_line(job: dict[str, Any]) -> str | None:
     """How often the job's run was interrupted and resumed, if ever: "2 restarts, 1 pause (...)"."""
-    counts = [(job.get(name) or 0, name) for name in ("restarts", "preemptions", "pauses")]
+    counts = [(job.get(name) or 0, name) for name in ("restarts", "preemptions", "pauses", "retries")]
     said = [f"{n} {name if n > 1 else name[:-1]}" for n, name in counts if n]
     return f"{', '.join(said)} (each resumed from the latest checkpoint)" if said else None
 
@@ -681,7 +681,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("job_id")
     p.set_defaults(func=act, action="pause")
 
-    p = commands.add_parser("resume", help="queue a paused job again; it continues from its checkpoint")
+    p = commands.add_parser(
+        "resume", help="queue a paused or failed job again; it goes on from its last checkpoint"
+    )
     p.add_argument("job_id")
     p.set_defaults(func=act, action="resume")
 

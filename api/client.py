@@ -133,9 +133,9 @@ class Client:
         return self._request("POST", f"/jobs/{job_id}/pause")
 
     def resume_job(self, job_id: str) -> dict[str, Any]:
-        """Queue a paused job again; it continues from its last checkpoint. ApiError 409 `job_not_paused`
-        (it is pausing, or finished), 429 `too_many_queued_jobs`; a queued or running job is answered
-        unchanged."""
+        """Queue a paused or failed job again; it goes on from its last checkpoint. ApiError 409
+        `job_not_paused` (it is pausing, succeeded or cancelled), 429 `too_many_queued_jobs`; a queued or
+        running job is answered unchanged."""
         return self._request("POST", f"/jobs/{job_id}/resume")
 
     def events(

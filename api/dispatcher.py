@@ -333,6 +333,8 @@ class Dispatcher:
                     service.add_event(session, job, "status", waiting, data=data)
                 self._note(session, job, waiting)
             return
+        if job.launch is not None and not self._remove_last_run(session, job):
+            return
         if service.transition(session, job, JobStatus.starting, "Checking the dataset."):
             if job.tenant in self._tenant_jobs:
                 self._tenant_jobs[job.tenant].append(job)
@@ -662,9 +664,12 @@ class Dispatcher:
         service.transition(session, job, JobStatus.failed, message, error_code=code, error_message=message)
 
     def _restart(self, session: Session, job: Job) -> None:
-        if job.restarts >= self.settings.local_max_restarts:
+        """Start a preempted local run again, TPUTUNE_LOCAL_MAX_RESTARTS times a run (a resumed job's new
+        run has its own, as a new JobSet does)."""
+        before = int((job.launch or {}).get(RESTARTS_BEFORE, 0))
+        if job.restarts - before >= self.settings.local_max_restarts:
             message = (
-                f"The workers were preempted {job.restarts + 1} times; "
+                f"The workers were preempted {job.restarts - before + 1} times; "
                 "giving up (TPUTUNE_LOCAL_MAX_RESTARTS)."
             )
             service.transition(
@@ -676,7 +681,8 @@ class Dispatcher:
         job.restarts += 1
         session.add(job)
         session.commit()
-        job.launch = self.executor.restart(job, token)
+        handle = self.executor.restart(job, token)
+        job.launch = {**handle, RESTARTS_BEFORE: before} if before else handle
         self._run_started[job.id] = utcnow()
         if self.metrics is not None:
             self.metrics.launched()
@@ -686,6 +692,18 @@ class Dispatcher:
         session.add(job)
         service.add_event(session, job, "restart", job.status_message, data={"restarts": job.restarts})
         session.commit()
+
+    def _remove_last_run(self, session: Session, job: Job) -> bool:
+        """A resumed job's run before (its `launch`, kept): removed before the job is launched anew, else
+        its launch would find and adopt that run (a failed one's JobSet, its exit record). A paused job's
+        was removed as it paused: this only makes sure. True once it is gone."""
+        if not self.executor.cancel(job):
+            return False  # (being deleted; the next pass looks again)
+        self._discard(job, best_effort=False)
+        job.launch = None
+        session.add(job)
+        session.commit()
+        return True
 
     def _adopt_unrecorded(self, session: Session, job: Job) -> None:
         """Record the run of a job claimed but whose launch was not recorded (a crash in between), if one

@@ -79,7 +79,7 @@ JOB_COLUMNS = (
     *("id", "tenant", "name", "status", "status_message", "model", "method", "executor", "spec"),
     *("created_at", "started_at", "finished_at", "step", "total_steps", "epoch", "eta_seconds", "loss"),
     *("eval_loss", "learning_rate", "tokens_per_second", "trained_tokens", "restarts", "preemptions"),
-    *("admitted_at", "held_seconds", "pauses"),
+    *("admitted_at", "held_seconds", "pauses", "retries"),
     *("error_code", "error_message", "output_uri", "checkpoint_uri"),
 )
 JobRow = namedtuple("JobRow", JOB_COLUMNS)  # type: ignore[misc]
@@ -128,6 +128,7 @@ class NewJob:
             '"epoch":null,"fraction":null,"eta_seconds":null},"metrics":{"loss":null,"eval_loss":null,'
             f'"learning_rate":null,"tokens_per_second":null}},"trained_tokens":{row["trained_tokens"]},'
             f'"restarts":{row["restarts"]},"preemptions":{row["preemptions"]},"pauses":{row["pauses"]},'
+            f'"retries":{row["retries"]},'
             f'"usage":{{"chips":{tpu.chips_of(self.spec.resources, row["executor"])},'
             f'"chip_unit":{text(tpu.chip_unit(row["executor"]))},"held_seconds":0.0,"chip_hours":0.0}},'
             '"error":null,'
@@ -194,7 +195,7 @@ def prepare_job(
 
 # A new job's columns; every row of one executemany names the same ones.
 _NEW_ROW: dict[str, Any] = {"status": JobStatus.queued.value, "status_message": QUEUED_MESSAGE}
-_NEW_ROW.update(step=0, trained_tokens=0, restarts=0, preemptions=0, pauses=0, held_seconds=0.0)
+_NEW_ROW.update(step=0, trained_tokens=0, restarts=0, preemptions=0, pauses=0, retries=0, held_seconds=0.0)
 _CREATED_EVENT = {"type": "status", "level": "info", "message": "Job created and queued."}
 _CREATED_DATA_JSON = json.dumps({"status": "queued"})
 
@@ -762,13 +763,16 @@ def transition(
     if current == JobStatus.running and target == JobStatus.queued:  # (preempted: the usage report asks)
         values["preemptions"] = job.preemptions + 1
     if target in (JobStatus.queued, JobStatus.paused):  # (held back to wait for quota, or paused: its
-        values["admitted_at"] = None  # chips are let go)
+        values["admitted_at"] = None  # chips are let go; a failed job's, when it ended)
         if (admitted := as_utc(job.admitted_at)) is not None:
-            values["held_seconds"] = job.held_seconds + (now - admitted).total_seconds()
+            until = as_utc(job.finished_at) if current == JobStatus.failed else None
+            values["held_seconds"] = job.held_seconds + ((until or now) - admitted).total_seconds()
     if target == JobStatus.paused:
         values["pauses"] = job.pauses + 1
-    elif current == JobStatus.paused:  # (resumed: its run is gone, the job is launched anew)
-        values.update(launched_at=None, launch=None)
+    elif current in (JobStatus.paused, JobStatus.failed):  # (resumed: launched anew. Its `launch` is kept
+        values["launched_at"] = None  # until then, for the dispatcher to remove what is left of that run)
+        if current == JobStatus.failed:
+            values.update(retries=job.retries + 1, finished_at=None, error_code=None, error_message=None)
     elif current == JobStatus.queued and target == JobStatus.starting and job.launched_at is not None:
         values.setdefault("admitted_at", now)  # (the platform let a run it held start: it takes its chips)
     if target in FINAL:
@@ -940,9 +944,16 @@ def paused_for(session: Session, job: Job) -> str | None:
 
 
 def stalls(session: Session, job: Job) -> int:
-    """How many times the server stopped the job's run as stalled."""
+    """How many times the server stopped the job's run as stalled (since it was last resumed after it
+    failed: its owner's retry starts the count anew)."""
     said = col(JobEvent.data)["for"].as_string() == STALLED
     count = select(func.count()).where(JobEvent.job_seq == job.seq, JobEvent.type == "status", said)
+    if job.retries:
+        resumed = col(JobEvent.data)["from"].as_string() == JobStatus.failed.value
+        last = select(func.max(JobEvent.id)).where(
+            JobEvent.job_seq == job.seq, JobEvent.type == "status", resumed
+        )
+        count = count.where(col(JobEvent.id) > last.scalar_subquery())
     return int(session.exec(count).one())
 
 
@@ -982,21 +993,26 @@ def request_pause(session: Session, tenant: str | None, job_id: str, by: str | N
 def request_resume(
     session: Session, tenant: str | None, job_id: str, by: str | None = None, settings: Settings | None = None
 ) -> Job:
-    """Queue a paused job again (of `tenant`'s; None: any): it waits its turn as a new job does, within
-    its team's limits, and its workers continue from its last checkpoint. With `settings`, a team at its
-    limit of queued jobs is refused (429) as a new job would be."""
+    """Queue a paused or failed job again (of `tenant`'s; None: any): it waits its turn as a new job does,
+    within its team's limits, and its workers continue from its last checkpoint (a failed job's: the last
+    its run saved; none, and it starts over). With `settings`, a team at its limit of queued jobs is refused
+    (429) as a new job would be."""
     who = f" by {by}" if by else ""
     for _ in range(5):
         job = get_job(session, tenant, job_id)
         if job.status in (JobStatus.queued, JobStatus.starting, JobStatus.running):
             return job  # (resumed already, or never paused)
-        if job.status != JobStatus.paused:
+        if job.status not in (JobStatus.paused, JobStatus.failed):
             verb = "is still pausing" if job.status == JobStatus.pausing else f"is {job.status}"
             hint = "; resume it once it is paused." if job.status == JobStatus.pausing else "."
-            message = f"Job {job_id} {verb}; only a paused job can be resumed{hint}"
+            message = f"Job {job_id} {verb}; only a paused or failed job can be resumed{hint}"
             raise ApiError(409, "job_not_paused", message)
         check = None if settings is None else _queue_room_check(session, job.tenant, settings)
-        message = f"Resumed{who}; queued, it continues from its last checkpoint."
+        if job.status == JobStatus.failed:
+            since = "its last checkpoint" if job.checkpoint_uri else "the start (it saved no checkpoint)"
+            message = f"Resumed{who} after it failed ({job.error_code}); queued, it goes on from {since}."
+        else:
+            message = f"Resumed{who}; queued, it continues from its last checkpoint."
         if transition(session, job, JobStatus.queued, message, check=check):
             return job
     raise ApiError(409, "job_busy", f"Job {job_id} is changing state right now; retry the resume.")

@@ -79,6 +79,9 @@ class Job(SQLModel, table=True):
     preemptions: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
     # Times it was paused (POST /jobs/{id}/pause); like a preempted one, api.tenants.spent reads its moves.
     pauses: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    # Times it was resumed after it failed (POST /jobs/{id}/resume); like a paused one, api.tenants.spent
+    # reads its moves (the time it lay failed held nothing).
+    retries: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
     # The seconds it held its chips before it last let them go (preempted, held for quota by Kueue, paused):
     # with the time since `admitted_at`, what it has held in all (its `usage` in GET /jobs/{id}).
     held_seconds: float = Field(default=0.0, sa_column_kwargs={"server_default": "0"})

@@ -136,6 +136,10 @@ class JobPublic(BaseModel):
         description="How often it was paused (POST /jobs/{id}/pause): its workers saved a checkpoint and "
         "stopped, its chips were let go; once resumed, it continued from that checkpoint."
     )
+    retries: int = Field(
+        description="How often it was resumed after it failed (POST /jobs/{id}/resume): queued again, its "
+        "new run went on from the last checkpoint the failed one saved."
+    )
     usage: JobUsage = Field(description="What it has held: chips, and for how long.")
     error: JobError | None
     output_uri: str
@@ -182,6 +186,7 @@ class JobPublic(BaseModel):
             restarts=job.restarts,
             preemptions=job.preemptions,
             pauses=job.pauses,
+            retries=job.retries,
             usage=job_usage(job, spec),
             error=(
                 JobError.model_construct(code=job.error_code, message=job.error_message or "")

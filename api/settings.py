@@ -61,7 +61,9 @@ class Settings(BaseSettings):
     )
     max_local_processes: int = Field(default=8, ge=1, le=64)
     cancel_grace_seconds: float = Field(default=15.0, ge=0)
-    local_max_restarts: int = Field(default=3, ge=0, description="Local restarts after a preemption exit.")
+    local_max_restarts: int = Field(
+        default=3, ge=0, description="Local restarts of a run after a preemption exit."
+    )
     stall_minutes: float = Field(
         default=30.0,
         ge=0,

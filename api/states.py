@@ -60,7 +60,9 @@ TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     # Paused: nothing runs; resumed, it waits its turn in the queue and continues from its checkpoint.
     JobStatus.paused: frozenset({JobStatus.queued, JobStatus.cancelled}),
     JobStatus.succeeded: frozenset(),
-    JobStatus.failed: frozenset(),
+    # Failed is final unless its owner resumes it (POST /jobs/{id}/resume): it waits its turn in the queue
+    # and its new run goes on from the last checkpoint the failed one saved.
+    JobStatus.failed: frozenset({JobStatus.queued}),
     JobStatus.cancelled: frozenset(),
 }
 

@@ -158,12 +158,13 @@ def spent(
     cancelled or paused, until it ends. Not while it waits queued: before it is launched, held before its
     admission, or preempted back to the queue (Kueue); nor while it is paused.
 
-    A job never preempted (`Job.preemptions`) nor paused (`Job.pauses`) held them from when it was last
-    admitted (`admitted_at`: a wait for admission comes before) until it ended: its row says when. A
-    preempted or paused job's moves (its status events) are read: it held its chips in each of those
-    statuses until its next move. Summed in the database, by tenant and resources (a few shapes serve many
-    jobs). With 50,000 jobs in the window, 5% of them preempted: 0.31 s on SQLite, 0.19 s on PostgreSQL;
-    reading every job's moves (250,000) took 0.67 s and 0.57 s (bench/usage_report.py)."""
+    A job never preempted (`Job.preemptions`), paused (`Job.pauses`) nor resumed after it failed
+    (`Job.retries`) held them from when it was last admitted (`admitted_at`: a wait for admission comes
+    before) until it ended: its row says when. Another's moves (its status events) are read: it held its
+    chips in each of those statuses until its next move. Summed in the database, by tenant and resources
+    (a few shapes serve many jobs). With 50,000 jobs in the window, 5% of them preempted: 0.31 s on
+    SQLite, 0.19 s on PostgreSQL; reading every job's moves (250,000) took 0.67 s and 0.57 s
+    (bench/usage_report.py)."""
     until = min(until, utcnow())  # (what runs now has run until now)
     if since >= until:
         return {}
@@ -184,7 +185,8 @@ def spent(
         func.sum(c.trained_tokens),
     )
     admitted = [c.admitted_at.is_not(None), c.admitted_at < until, ended_after]
-    plain = plain.where(c.preemptions == 0, c.pauses == 0, *admitted, *own).group_by(c.tenant, shape)
+    plain = plain.where(c.preemptions == 0, c.pauses == 0, c.retries == 0, *admitted, *own)
+    plain = plain.group_by(c.tenant, shape)
     # A preempted or paused one held them while starting, running, cancelling or pausing: each status it
     # was in, from when to when, are its moves (the status events that name a status: not the workers'
     # reports of their phase, nor why a job waits), each until the next. And its launches: a move to
@@ -240,7 +242,12 @@ def spent(
     connection = session.connection()
     rows = list(connection.execute(plain))
     # The preempted jobs first, then their moves: joined in one query, SQLite read every job's events.
-    preempted_then = [or_(c.preemptions > 0, c.pauses > 0), c.created_at < until, ended_after, *own]
+    preempted_then = [
+        or_(c.preemptions > 0, c.pauses > 0, c.retries > 0),
+        c.created_at < until,
+        ended_after,
+        *own,
+    ]
     seqs = list(connection.execute(sa_select(c.seq).where(*preempted_then)).scalars())
     for first in range(0, len(seqs), _JOBS_AT_ONCE):
         rows += connection.execute(preempted, {"jobs": seqs[first : first + _JOBS_AT_ONCE]})

@@ -94,6 +94,13 @@ def main() -> int:
         send(
             {"kind": "metrics", "step": step, "total_steps": steps, "loss": 3.0 / step, "learning_rate": 1e-4}
         )
+        if mode == "crash_once" and step == 3 and not (out / "crashed").exists():
+            # On its first run: saves a checkpoint at step 3, then dies (a fault its owner retries).
+            (out / "crashed").write_text("1")
+            (out / "checkpoint.json").write_text(json.dumps({"step": step}))
+            send({"kind": "checkpoint", "step": step, "uri": str(out / "checkpoint.json")})
+            print(f"crashing at step {step}", flush=True)
+            os._exit(3)
         if stalls and step >= 3:
             (out / "stalled").write_text("1")
             print(f"stalled at step {step}", flush=True)

@@ -403,6 +403,61 @@ def test_resume_keeps_to_the_teams_limit_on_queued_jobs(
         assert client.post(f"/jobs/{first}/resume").json()["status"] == "queued"
 
 
+def test_resume_a_failed_job(client: TestClient, dataset: Path) -> None:
+    """A failed job its owner resumes is queued again, to go on from its last checkpoint: its error and end
+    cleared, `retries` counted, what its failed run held kept (not the time it lay failed). Succeeded or
+    cancelled, a job is not resumed."""
+    from datetime import timedelta
+
+    from sqlmodel import Session, select
+
+    from api.jobs import transition
+    from api.models import Job
+    from api.states import JobStatus
+    from tests.test_progress import metrics, post, started_job
+
+    job_id, token = started_job(client, dataset)
+    _set(client, job_id, launched_at=datetime.now(UTC), admitted_at=datetime.now(UTC) - timedelta(seconds=60))
+    checkpoint = {"kind": "checkpoint", "step": 2, "uri": str(dataset.parent / "ckpt-2")}
+    assert post(client, job_id, token, [metrics(1, 2.0), metrics(2, 1.5), checkpoint]).status_code == 200
+    with Session(client.app.state.engine) as session:  # type: ignore[attr-defined]
+        job = session.exec(select(Job).where(Job.id == job_id)).one()
+        message = "The worker exited with status 3."
+        assert transition(
+            session, job, JobStatus.failed, message, error_code="worker_failed", error_message=message
+        )
+    failed = client.get(f"/jobs/{job_id}").json()
+    assert (
+        failed["status"] == "failed" and failed["finished_at"] and failed["error"]["code"] == "worker_failed"
+    )
+    assert failed["usage"]["held_seconds"] == pytest.approx(60, abs=1)
+    time.sleep(0.5)  # (it lies failed: that holds nothing)
+
+    resumed = client.post(f"/jobs/{job_id}/resume")
+    assert resumed.status_code == 200, resumed.text
+    job = resumed.json()
+    assert (job["status"], job["error"], job["finished_at"], job["retries"]) == ("queued", None, None, 1)
+    assert job["status_message"] == (
+        "Resumed after it failed (worker_failed); queued, it goes on from its last checkpoint."
+    )
+    assert job["checkpoint_uri"] == checkpoint["uri"] and job["progress"]["step"] == 2
+    assert job["usage"]["held_seconds"] == failed["usage"]["held_seconds"]
+    assert client.post(f"/jobs/{job_id}/resume").json() == job  # (no change)
+    assert statuses(client, job_id) == ["queued", "starting", "running", "failed", "queued"]
+    assert client.get("/jobs", params={"status": "failed"}).json()["data"] == []
+
+    # Succeeded or cancelled: it is not resumed.
+    done = client.post("/jobs", json=job_body(dataset)).json()["id"]
+    _finish(client, done)
+    client.post(f"/jobs/{job_id}/cancel")
+    for other, status in ((done, "succeeded"), (job_id, "cancelled")):
+        refused = client.post(f"/jobs/{other}/resume")
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "job_not_paused"
+        assert refused.json()["error"]["message"] == (
+            f"Job {other} is {status}; only a paused or failed job can be resumed."
+        )
+
+
 def _finish(client: TestClient, job_id: str, status: str = "succeeded") -> None:
     _set(client, job_id, status=status)
 

@@ -223,7 +223,9 @@ def test_pause_and_resume_a_queued_job(live_api, dataset: Path, capsys) -> None:
     )
     code, out, err = run(api, capsys, "resume", job_id)
     assert (code, out) == (3, "")
-    assert err == f"error: Job {job_id} is cancelled; only a paused job can be resumed. (job_not_paused)\n"
+    assert err == (
+        f"error: Job {job_id} is cancelled; only a paused or failed job can be resumed. (job_not_paused)\n"
+    )
     code, _, err = run(api, capsys, "pause", "ft-missing")
     assert code == 3 and "No job with id 'ft-missing'" in err
 
@@ -241,8 +243,8 @@ def test_a_pausing_job_cannot_be_resumed_yet(live_api, dataset: Path, capsys) ->
     code, out, err = run(api, capsys, "resume", job_id)
     assert (code, out) == (3, "")
     assert err == (
-        f"error: Job {job_id} is still pausing; only a paused job can be resumed; resume it once it is "
-        "paused. (job_not_paused)\n"
+        f"error: Job {job_id} is still pausing; only a paused or failed job can be resumed; resume it once "
+        "it is paused. (job_not_paused)\n"
     )
     assert run(api, capsys, "cancel", job_id) == (0, f"{job_id} cancelling\n", "")
 

@@ -423,6 +423,46 @@ def test_pause_and_resume_buttons(
     tab.assert_clean()
 
 
+def test_a_failed_job_offers_resume(
+    live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    """A failed job's page offers Resume (it goes on from its last checkpoint); resumed, the job is queued,
+    its error gone and its Retries 1."""
+    api = live_api(dispatcher_enabled=False)
+    job_id, token = started(api, dataset, "fails")
+    report(api, job_id, token, [step(4, 2.5)])
+    engine = api.server.config.app.state.engine  # type: ignore[union-attr]
+    with Session(engine, expire_on_commit=False) as session:
+        job = session.exec(select(Job).where(Job.id == job_id)).one()
+        message = "The worker exited with status 3."
+        transition(session, job, JobStatus.failed, message, error_code="worker_failed", error_message=message)
+    tab = open_tab(api, f"/ui/jobs/{job_id}")
+    page = tab.page
+    expect(page.locator("#status")).to_have_text("failed")
+    expect(page.locator("#resume")).to_be_enabled()
+    expect(page.locator("#pause")).to_be_disabled()
+    expect(page.locator("#cancel")).to_be_disabled()
+    expect(page.locator("#f-retries")).to_have_text("0")
+    expect(page.locator("#live")).to_have_text("Job finished; no more updates.")
+
+    page.locator("#resume").click()
+    expect(page.locator("#status")).to_have_text("queued")
+    expect(page.locator("#resume")).to_be_disabled()
+    expect(page.locator("#pause")).to_be_enabled()
+    expect(page.locator("#f-retries")).to_have_text("1")
+    expect(page.locator("#status-message")).to_have_text(
+        "Resumed after it failed (worker_failed); queued, it goes on from the start (it saved no checkpoint)."
+    )
+    # Followed live again: its moves from here on show as they happen.
+    expect(page.locator("#live")).to_have_text("● Live", timeout=10_000)
+    expect(page.locator("#events li").first).to_contain_text("Resumed after it failed")
+    with api.client() as http:
+        assert http.post(f"/jobs/{job_id}/pause").json()["status"] == "paused"
+    expect(page.locator("#status")).to_have_text("paused")
+    expect(page.locator("#events li").first).to_contain_text("Paused before it started")
+    tab.assert_clean()
+
+
 def test_a_pausing_job_offers_only_cancel(
     live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
 ) -> None:
@@ -453,7 +493,7 @@ def test_refused_pause_and_resume_show_the_api_sentence(
     with api.client() as http:
         assert http.post(f"/jobs/{paused}/pause").json()["status"] == "paused"
     refusals = {
-        "resume": "is cancelled; only a paused job can be resumed.",
+        "resume": "is cancelled; only a paused or failed job can be resumed.",
         "pause": "already cancelled; only queued, starting or running jobs can be paused.",
     }
     for job_id, button, shown in ((paused, "resume", "paused"), (queued, "pause", "queued")):

@@ -162,6 +162,16 @@ def test_a_run_that_stops_reporting_is_stopped_and_goes_on_from_its_checkpoint( 
     finished = api.wait_for(slow, lambda j: j["status"] in FINAL, timeout=60)
     assert finished["status"] == "succeeded" and finished["pauses"] == 0
     assert api.gauge("tputune_stalls_total") == 3  # (once's, and always' two)
+    # Resumed by its owner, the failed one has its restarts anew: its next stall restarts it.
+    with api.client() as http:
+        assert http.post(f"/jobs/{always}/resume").json()["status"] == "queued"
+    again = "Queued again after its workers stalled (restart 1 of 1)"
+    seen = api.wait_for(
+        always, lambda j: (j["status_message"] or "").startswith(again) or j["status"] in FINAL
+    )
+    assert seen["status"] not in FINAL and seen["retries"] == 1, seen
+    with api.client() as http:
+        assert http.post(f"/jobs/{always}/cancel").status_code == 200
 
 
 def test_a_dispatcher_that_dies_between_pausing_and_queueing_a_stopped_run_leaves_no_paused_job(  # type: ignore[no-untyped-def]
@@ -289,6 +299,54 @@ def test_pause_stops_the_workers_and_resume_goes_on_from_the_checkpoint(  # type
     launches = [datetime.fromisoformat(e["created_at"]) for e in history if e["type"] == "launch"]
     held = (moves[4][1] - launches[0]) + (moves[8][1] - launches[1])
     assert job["usage"]["held_seconds"] == pytest.approx(held.total_seconds(), abs=0.05)
+
+
+def test_a_failed_job_resumed_goes_on_from_the_checkpoint_its_failed_run_saved(  # type: ignore[no-untyped-def]
+    live_api, dataset: Path
+) -> None:
+    """A run that dies (its checkpoint saved at step 3) fails the job; its owner resumes it: the run's
+    leftovers are removed (else its launch would adopt the run that ended, and fail again), a new one goes
+    on from step 3 and succeeds. What it held counts both runs, not the time it lay failed, in its usage
+    and in GET /usage alike."""
+    api = live_api()
+    job_id = submit(api, dataset, "crash_once", steps="6", resume="checkpoint")
+    failed = api.wait_for(job_id, lambda j: j["status"] in FINAL)
+    assert failed["status"] == "failed" and failed["error"]["code"] == "worker_failed", failed
+    assert "crashing at step 3" in failed["error"]["message"]
+    assert failed["checkpoint_uri"].endswith("checkpoint.json")
+    time.sleep(2)  # (lying failed holds nothing)
+    with api.client() as http:
+        resumed = http.post(f"/jobs/{job_id}/resume").json()
+    assert resumed["status"] == "queued" and resumed["retries"] == 1 and resumed["error"] is None
+    job = api.wait_for(job_id, lambda j: j["status"] in FINAL)
+    assert job["status"] == "succeeded" and job["error"] is None, job
+    assert (job["retries"], job["restarts"], job["pauses"], job["progress"]["step"]) == (1, 0, 0, 6)
+    history = events(api, job_id)
+    steps = [e["step"] for e in history if e["type"] == "metrics"]
+    assert steps == [1, 2, 3, 4, 5, 6]  # (it went on from step 3)
+    with api.client() as http:
+        logs = http.get(f"/jobs/{job_id}/logs", params={"tail": 1000}).json()["lines"]
+    assert "resumed from the checkpoint at step 3" in "\n".join(logs)
+    moves = [
+        (e["data"]["status"], datetime.fromisoformat(e["created_at"]))
+        for e in history
+        if e["type"] == "status" and "status" in (e["data"] or {})
+    ]
+    assert [status for status, _ in moves] == [
+        *("queued", "starting", "running", "failed"),
+        *("queued", "starting", "running", "succeeded"),
+    ]
+    # It held its process from each launch until the run ended (the job's own times: its events' come a
+    # moment after them on a busy machine), not while it lay failed.
+    launches = [datetime.fromisoformat(e["created_at"]) for e in history if e["type"] == "launch"]
+    first = (datetime.fromisoformat(failed["finished_at"]) - launches[0]).total_seconds()
+    assert failed["usage"]["held_seconds"] == pytest.approx(first, abs=0.05)
+    held = first + (datetime.fromisoformat(job["finished_at"]) - launches[1]).total_seconds()
+    assert job["usage"]["held_seconds"] == pytest.approx(held, abs=0.05)
+    assert (moves[4][1] - moves[3][1]).total_seconds() >= 2  # (what it lay failed)
+    with api.client() as http:
+        report = http.get("/usage").json()["data"]
+    assert report[0]["chip_hours"] == pytest.approx(held / 3600, abs=1e-4)  # (rounded to 4 places)
 
 
 def test_a_pause_outlives_an_api_restart_and_a_worker_that_will_not_stop(  # type: ignore[no-untyped-def]

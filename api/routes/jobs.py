@@ -348,10 +348,13 @@ def pause_job(
 @router.post(
     "/{job_id}/resume",
     response_model=JobPublic,
-    summary="Resume a paused job",
+    summary="Resume a paused or failed job",
     responses={
         **_errors,
-        409: {"model": ErrorResponse, "description": "The job is not paused (it is pausing, or finished)."},
+        409: {
+            "model": ErrorResponse,
+            "description": "The job is neither paused nor failed (it is pausing, succeeded or cancelled).",
+        },
         429: {"model": ErrorResponse, "description": "The team has as many jobs queued as it may."},
     },
 )
@@ -364,8 +367,10 @@ def resume_job(
 ) -> Response:
     """Queue a paused job again: it waits its turn (and its team's limits) as a new job does, then its
     workers start and continue from its last checkpoint (its step, optimizer state and data position). A
-    team at its limit of queued jobs gets 429, as for a new job. Resuming a job that is queued or running
-    changes nothing."""
+    failed job alike: its error is cleared, what is left of its run (its JobSet) is removed, and its new
+    run goes on from the last checkpoint the failed one saved (none: from the start); its `retries` counts
+    it. A team at its limit of queued jobs gets 429, as for a new job. Resuming a job that is queued or
+    running changes nothing."""
     job = service.request_resume(session, principal.scope, job_id, principal.who, settings)
     if dispatcher is not None:
         dispatcher.wake()
@@ -575,7 +580,8 @@ def job_logs(
             stream,
             media_type="text/plain; charset=utf-8",
         )
-    ran = job.launched_at is not None or job.pauses > 0  # (a resumed job's last run, until it runs again)
+    # (a resumed job's last run, until it runs again: its `launch` is kept until then)
+    ran = job.launched_at is not None or job.launch is not None or job.pauses > 0
     lines, truncated = executor.logs(job, tail) if ran else ([], False)
     return json_response(LogsResponse(job_id=job.id, lines=lines, truncated=truncated))
 

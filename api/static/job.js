@@ -22,8 +22,10 @@ const TIMELINE_TYPES = [
 const REFRESH_MS = 1000;
 // A queued job's place changes as the jobs ahead of it start, which adds no event of its own: read it again.
 const QUEUE_REFRESH_MS = 5000;
-// Pause stops a job that may still run; resume queues a paused one again. (Cancel: any unfinished job.)
+// Pause stops a job that may still run; resume queues a paused or failed one again (it goes on from its
+// last checkpoint). (Cancel: any unfinished job.)
 const PAUSABLE = new Set(["queued", "starting", "running"]);
+const RESUMABLE = new Set(["paused", "failed"]);
 const PAUSED_OR_PAUSING = new Set(["pausing", "paused"]);
 
 const chart = new LineChart(
@@ -43,7 +45,7 @@ function setStatus(status) {
   $("status").dataset.status = status;
   $("cancel").disabled = FINAL_STATUSES.has(status) || status === "cancelling";
   $("pause").disabled = !PAUSABLE.has(status);
-  $("resume").disabled = status !== "paused";
+  $("resume").disabled = !RESUMABLE.has(status);
 }
 
 let queueTimer = null;
@@ -89,6 +91,7 @@ function showJob(next) {
   $("f-restarts").textContent = String(job.restarts);
   $("f-preemptions").textContent = String(job.preemptions);
   $("f-pauses").textContent = String(job.pauses ?? 0);
+  $("f-retries").textContent = String(job.retries ?? 0);
   $("f-chip-hours").textContent = formatUsage(job.usage);
   $("f-created").textContent = formatDate(job.created_at);
   $("f-started").textContent = formatDate(job.started_at);
@@ -215,6 +218,8 @@ const RESUME_FIRST_MS = 2000;
 const RESUME_MAX_MS = 60000;
 let lastEventId = 0;
 let resumeMs = RESUME_FIRST_MS;
+// The stream ended with the job; a failed job its owner resumes is followed again.
+let ended = false;
 
 function follow(after) {
   lastEventId = after;
@@ -237,8 +242,17 @@ function follow(after) {
   }
   source.addEventListener("end", () => {
     source.close();
+    ended = true;
     live.textContent = "Job finished; no more updates.";
-    loadJob().catch(showLoadError);
+    loadJob()
+      .then(() => {
+        // Resumed just now (a failed job): the stream ended on a read from before; follow it again.
+        if (ended && !FINAL_STATUSES.has(job.status)) {
+          ended = false;
+          resumeLater((seconds) => `Resumed; following again in ${seconds} s.`);
+        }
+      })
+      .catch(showLoadError);
   });
   // The server stopped the stream (the key was revoked): following again would be refused too.
   source.addEventListener("closed", (message) => {
@@ -302,6 +316,10 @@ for (const action of ["pause", "resume"]) {
     $("cancel-error").hidden = true;
     try {
       showJob(await api(`${base}/${action}`, { method: "POST" }));
+      if (ended && !FINAL_STATUSES.has(job.status)) {
+        ended = false;
+        follow(lastEventId);
+      }
     } catch (error) {
       $("action-error").textContent = error.message;
       $("action-error").hidden = false;

@@ -137,6 +137,42 @@ def test_pause_deletes_the_jobset_and_resume_launches_a_new_one(
     assert done["usage"]["chip_hours"] == pytest.approx(8 * done["usage"]["held_seconds"] / 3600, abs=1e-4)
 
 
+def test_a_failed_job_resumed_runs_a_new_jobset_once_the_failed_one_is_deleted(
+    k8s_api: Callable[..., LiveApi], cluster: Cluster, fake_k8s: FakeKubernetes, dataset_uri: str
+) -> None:
+    """A failed JobSet is left for its pods' logs; resumed, the job waits queued until it is deleted (a
+    new JobSet of the same name could not be made, and the old one would be adopted: failed again), then
+    a new one runs and goes on from the checkpoint in GCS. What the job held: both runs."""
+    api = k8s_api()
+    job_id = submit(api, dataset_uri)
+    first = cluster.wait_jobset(job_id)
+    running(api, cluster, job_id)
+    checkpoint = {"kind": "checkpoint", "step": 2, "uri": "gs://tputune-test-out/ckpt/2"}
+    assert cluster.report(api.url, job_id, checkpoint).status_code == 200
+    cluster.fail(job_id, exit_code=1)
+    failed = api.wait_for(job_id, lambda j: j["status"] in FINAL)
+    assert failed["status"] == "failed" and failed["error"]["code"] == "worker_failed", failed
+    assert cluster.jobset(job_id) is not None  # (kept: its pods' logs tell why)
+
+    fake_k8s.hold_foreground = True
+    resumed = post(api, job_id, "resume")
+    assert resumed.status_code == 200 and resumed.json()["status"] == "queued", resumed.text
+    wait_deleted(fake_k8s, job_id)
+    time.sleep(0.5)  # (passes go by: it waits for the old one to go)
+    assert job(api, job_id)["status"] == "queued" and fake_k8s.count("create", "jobsets") == 1
+    fake_k8s.finish_deletions()
+    second = cluster.wait_jobset(job_id)
+    assert second["metadata"]["uid"] != first["metadata"]["uid"]
+    running(api, cluster, job_id)
+    cluster.complete(job_id)
+    done = api.wait_for(job_id, lambda j: j["status"] in FINAL)
+    assert done["status"] == "succeeded" and done["error"] is None and done["retries"] == 1, done
+    assert done["checkpoint_uri"] == checkpoint["uri"]  # (its last, until the new run reports one)
+    assert statuses(api, job_id)[2:] == ["running", "failed", "queued", "starting", "running", "succeeded"]
+    assert fake_k8s.count("create", "jobsets") == 2
+    assert done["usage"]["held_seconds"] == pytest.approx(held_seconds(api, job_id), abs=0.1)
+
+
 def test_a_paused_job_is_cancelled_at_once(
     k8s_api: Callable[..., LiveApi], cluster: Cluster, fake_k8s: FakeKubernetes, dataset_uri: str
 ) -> None:
