@@ -1109,8 +1109,11 @@ def _insert_ignore(session: Session, rows: list[dict[str, Any]]) -> set[str]:
 def ingest_progress(session: Session, job: Job, batch: ProgressBatch) -> ProgressAck:
     now = utcnow()
     by_key: dict[str, Any] = {}
+    # A failed job resumed (`retries`) may fail again as it did: its new run's error is its own.
+    retry = f":{job.retries}" if job.retries else ""
     for report in batch.reports:
-        by_key.setdefault(f"{report.kind}:{report.step}:{report.key}", report)
+        again = retry if report.kind == "error" else ""
+        by_key.setdefault(f"{report.kind}:{report.step}:{report.key}{again}", report)
     rows = []
     for dedupe_key, report in by_key.items():
         type_, level, message = _event_for(report)

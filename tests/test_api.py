@@ -411,7 +411,7 @@ def test_resume_a_failed_job(client: TestClient, dataset: Path) -> None:
 
     from sqlmodel import Session, select
 
-    from api.jobs import transition
+    from api.jobs import new_job_token, transition
     from api.models import Job
     from api.states import JobStatus
     from tests.test_progress import metrics, post, started_job
@@ -419,16 +419,17 @@ def test_resume_a_failed_job(client: TestClient, dataset: Path) -> None:
     job_id, token = started_job(client, dataset)
     _set(client, job_id, launched_at=datetime.now(UTC), admitted_at=datetime.now(UTC) - timedelta(seconds=60))
     checkpoint = {"kind": "checkpoint", "step": 2, "uri": str(dataset.parent / "ckpt-2")}
-    assert post(client, job_id, token, [metrics(1, 2.0), metrics(2, 1.5), checkpoint]).status_code == 200
+    error = {"kind": "error", "step": 3, "code": "loss_not_finite", "message": "The loss became NaN."}
+    reports = [metrics(1, 2.0), metrics(2, 1.5), checkpoint, error]
+    assert post(client, job_id, token, reports).status_code == 200
     with Session(client.app.state.engine) as session:  # type: ignore[attr-defined]
         job = session.exec(select(Job).where(Job.id == job_id)).one()
-        message = "The worker exited with status 3."
-        assert transition(
-            session, job, JobStatus.failed, message, error_code="worker_failed", error_message=message
-        )
+        assert transition(session, job, JobStatus.failed, error["message"])  # (as the dispatcher does)
     failed = client.get(f"/jobs/{job_id}").json()
     assert (
-        failed["status"] == "failed" and failed["finished_at"] and failed["error"]["code"] == "worker_failed"
+        failed["status"] == "failed"
+        and failed["finished_at"]
+        and failed["error"]["code"] == "loss_not_finite"
     )
     assert failed["usage"]["held_seconds"] == pytest.approx(60, abs=1)
     time.sleep(0.5)  # (it lies failed: that holds nothing)
@@ -438,19 +439,32 @@ def test_resume_a_failed_job(client: TestClient, dataset: Path) -> None:
     job = resumed.json()
     assert (job["status"], job["error"], job["finished_at"], job["retries"]) == ("queued", None, None, 1)
     assert job["status_message"] == (
-        "Resumed after it failed (worker_failed); queued, it goes on from its last checkpoint."
+        "Resumed after it failed (loss_not_finite); queued, it goes on from its last checkpoint."
     )
     assert job["checkpoint_uri"] == checkpoint["uri"] and job["progress"]["step"] == 2
     assert job["usage"]["held_seconds"] == failed["usage"]["held_seconds"]
     assert client.post(f"/jobs/{job_id}/resume").json() == job  # (no change)
     assert statuses(client, job_id) == ["queued", "starting", "running", "failed", "queued"]
     assert client.get("/jobs", params={"status": "failed"}).json()["data"] == []
+    # Its new run fails as the first did: its error is the job's again (not taken for the first's).
+    with Session(client.app.state.engine) as session:  # type: ignore[attr-defined]
+        job = session.exec(select(Job).where(Job.id == job_id)).one()
+        assert transition(session, job, JobStatus.starting)
+        token, job.token_hash = new_job_token()
+        session.add(job)
+        session.commit()
+    assert post(client, job_id, token, [metrics(3, 1.2), error]).json()["accepted"] == 2  # (the error too)
+    assert client.get(f"/jobs/{job_id}").json()["error"] == {
+        "code": error["code"],
+        "message": error["message"],
+    }
 
     # Succeeded or cancelled: it is not resumed.
     done = client.post("/jobs", json=job_body(dataset)).json()["id"]
     _finish(client, done)
-    client.post(f"/jobs/{job_id}/cancel")
-    for other, status in ((done, "succeeded"), (job_id, "cancelled")):
+    gone = client.post("/jobs", json=job_body(dataset)).json()["id"]
+    assert client.post(f"/jobs/{gone}/cancel").json()["status"] == "cancelled"
+    for other, status in ((done, "succeeded"), (gone, "cancelled")):
         refused = client.post(f"/jobs/{other}/resume")
         assert refused.status_code == 409 and refused.json()["error"]["code"] == "job_not_paused"
         assert refused.json()["error"]["message"] == (
