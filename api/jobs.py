@@ -490,10 +490,15 @@ def resolve_from_job[SpecT: JobSpec](spec: SpecT, source: Any | None) -> SpecT:
     if source is None:
         raise refuse("from_job_not_found", f"there is no job {job_id} of your team.")
     if source.status != JobStatus.succeeded:
+        resume = (
+            f" To go on from its last checkpoint, resume it (POST /jobs/{job_id}/resume)."
+            if source.status == JobStatus.failed
+            else ""
+        )
         raise refuse(
             "from_job_not_succeeded",
             f"job {job_id} is {source.status}; a job can start only from one that succeeded (its final "
-            "weights).",
+            f"weights).{resume}",
         )
     if source.model != spec.model:
         raise refuse(

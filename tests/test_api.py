@@ -570,6 +570,11 @@ def test_a_job_starts_from_the_weights_of_one_that_succeeded(client: TestClient,
     assert early.status_code == 422, early.text
     assert early.json()["error"]["code"] == "from_job_not_succeeded"
     assert early.json()["error"]["param"] == "from_job" and "is queued" in early.json()["error"]["message"]
+    _finish(client, first["id"], "failed")  # (a failed one: its owner is told how it goes on)
+    assert submit().json()["error"]["message"] == (
+        f"from_job: job {first['id']} is failed; a job can start only from one that succeeded (its final "
+        f"weights). To go on from its last checkpoint, resume it (POST /jobs/{first['id']}/resume)."
+    )
     _finish(client, first["id"])
     made = submit()
     assert made.status_code == 201, made.text
