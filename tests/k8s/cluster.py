@@ -43,7 +43,9 @@ class Cluster:
     def jobset(self, job_id: str) -> dict[str, Any] | None:
         return self.fake.get("jobsets", render.jobset_name(job_id), self.namespace)
 
-    def wait_jobset(self, job_id: str, timeout: float = 15) -> dict[str, Any]:
+    def wait_jobset(self, job_id: str, timeout: float = 60) -> dict[str, Any]:
+        # (60 s, as LiveApi.wait_for: a first launch waits for the dispatcher process's start, which took
+        # longer than the 15 s this waited before, once, in CI on a busy machine.)
         deadline = time.monotonic() + timeout
         while (found := self.jobset(job_id)) is None:
             if time.monotonic() > deadline:
