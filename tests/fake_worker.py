@@ -82,6 +82,11 @@ def main() -> int:
     if mode == "preempt_once" and not (out / "preempted").exists():
         (out / "preempted").write_text("1")
         return EXIT_PREEMPTED
+    if mode == "preempt_n":  # its first `preempts` runs are preempted at once
+        runs = int((out / "runs").read_text()) if (out / "runs").exists() else 0
+        (out / "runs").write_text(str(runs + 1))
+        if runs < int(config.spec.metadata.get("preempts", "1")):
+            return EXIT_PREEMPTED
     step = 0
     if config.spec.metadata.get("resume") == "checkpoint" and (out / "checkpoint.json").exists():
         step = json.loads((out / "checkpoint.json").read_text())["step"]  # (as the real worker resumes)

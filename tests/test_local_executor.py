@@ -349,6 +349,22 @@ def test_a_failed_job_resumed_goes_on_from_the_checkpoint_its_failed_run_saved( 
     assert report[0]["chip_hours"] == pytest.approx(held / 3600, abs=1e-4)  # (rounded to 4 places)
 
 
+def test_a_resumed_job_has_local_restarts_of_its_own(live_api, dataset: Path) -> None:  # type: ignore[no-untyped-def]
+    """TPUTUNE_LOCAL_MAX_RESTARTS counts a run's restarts: a job that failed as they ran out, resumed, is
+    restarted again after a preemption (as a new JobSet would be), not failed at its first."""
+    api = live_api(local_max_restarts=1)
+    job_id = submit(api, dataset, "preempt_n", preempts="3", steps="3")
+    failed = api.wait_for(job_id, lambda j: j["status"] in FINAL)
+    assert failed["status"] == "failed" and failed["error"]["code"] == "too_many_restarts", failed
+    assert failed["restarts"] == 1 and failed["error"]["message"].startswith(
+        "The workers were preempted 2 times"
+    )
+    with api.client() as http:
+        assert http.post(f"/jobs/{job_id}/resume").json()["status"] == "queued"
+    done = api.wait_for(job_id, lambda j: j["status"] in FINAL and j["retries"] == 1)
+    assert done["status"] == "succeeded" and done["restarts"] == 2, done  # (its third run preempted too)
+
+
 def test_a_pause_outlives_an_api_restart_and_a_worker_that_will_not_stop(  # type: ignore[no-untyped-def]
     live_api, dataset: Path
 ) -> None:
