@@ -103,6 +103,9 @@ def _print_job(job: dict[str, Any]) -> None:
     print(f"  {progress_line(job)}")
     if job.get("error"):
         print(f"  error: {job['error']['message']} ({job['error']['code']})")
+    if job["status"] == "failed":
+        since = "its last checkpoint" if job.get("checkpoint_uri") else "the start"
+        print(f"  to go on from {since}: tputune resume {job['id']}")
     if line := interruptions_line(job):
         print(f"  {line}")
     if line := usage_line(job):
@@ -114,8 +117,9 @@ def _print_job(job: dict[str, Any]) -> None:
 
 def interruptions_line(job: dict[str, Any]) -> str | None:
     """How often the job's run was interrupted and resumed, if ever: "2 restarts, 1 pause (...)"."""
-    counts = [(job.get(name) or 0, name) for name in ("restarts", "preemptions", "pauses", "retries")]
-    said = [f"{n} {name if n > 1 else name[:-1]}" for n, name in counts if n]
+    names = {"restarts": "restart", "preemptions": "preemption", "pauses": "pause", "retries": "retry"}
+    counts = [(job.get(name) or 0, name, one) for name, one in names.items()]
+    said = [f"{n} {name if n > 1 else one}" for n, name, one in counts if n]
     return f"{', '.join(said)} (each resumed from the latest checkpoint)" if said else None
 
 

@@ -195,6 +195,21 @@ def _submit(api, capsys, dataset: Path, fake: str = "succeed") -> str:  # type: 
     return out.split()[1]
 
 
+def test_a_failed_job_says_how_it_goes_on(live_api, dataset: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`tputune status` of a failed job says how to resume it; `tputune resume` queues it again."""
+    api = live_api()
+    job_id = _submit(api, capsys, dataset, "crash_once")  # (its first run dies after a checkpoint)
+    api.wait_for(job_id, lambda j: j["status"] == "failed")
+    code, out, _ = run(api, capsys, "status", job_id)
+    assert code == 0 and out.splitlines()[0].endswith("  failed"), out
+    assert "(worker_failed)\n" in out
+    assert f"\n  to go on from its last checkpoint: tputune resume {job_id}\n" in out
+    assert run(api, capsys, "resume", job_id)[:2] == (0, f"{job_id} queued\n")
+    api.wait_for(job_id, lambda j: j["status"] == "succeeded")
+    code, out, _ = run(api, capsys, "status", job_id)
+    assert "  1 retry (each resumed from the latest checkpoint)\n" in out and "tputune resume" not in out
+
+
 def test_pause_and_resume_a_queued_job(live_api, dataset: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     """Nothing launched: paused at once, and queued again; asking twice changes nothing."""
     api = live_api(dispatcher_enabled=False)
@@ -315,20 +330,29 @@ def test_queue_place(position: int | None, place: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("restarts", "preemptions", "pauses", "expected"),
+    ("restarts", "preemptions", "pauses", "retries", "expected"),
     [
-        (0, 0, 0, None),
-        (1, 0, 0, "1 restart (each resumed from the latest checkpoint)"),
-        (0, 3, 0, "3 preemptions (each resumed from the latest checkpoint)"),
-        (2, 1, 0, "2 restarts, 1 preemption (each resumed from the latest checkpoint)"),
-        (0, 0, 1, "1 pause (each resumed from the latest checkpoint)"),
-        (1, 2, 3, "1 restart, 2 preemptions, 3 pauses (each resumed from the latest checkpoint)"),
+        (0, 0, 0, 0, None),
+        (1, 0, 0, 0, "1 restart (each resumed from the latest checkpoint)"),
+        (0, 3, 0, 0, "3 preemptions (each resumed from the latest checkpoint)"),
+        (2, 1, 0, 0, "2 restarts, 1 preemption (each resumed from the latest checkpoint)"),
+        (0, 0, 1, 0, "1 pause (each resumed from the latest checkpoint)"),
+        (0, 0, 0, 1, "1 retry (each resumed from the latest checkpoint)"),
+        (
+            1,
+            2,
+            3,
+            2,
+            "1 restart, 2 preemptions, 3 pauses, 2 retries (each resumed from the latest checkpoint)",
+        ),
     ],
 )
-def test_interruptions_line(restarts: int, preemptions: int, pauses: int, expected: str | None) -> None:
-    job = {"restarts": restarts, "preemptions": preemptions, "pauses": pauses}
+def test_interruptions_line(
+    restarts: int, preemptions: int, pauses: int, retries: int, expected: str | None
+) -> None:
+    job = {"restarts": restarts, "preemptions": preemptions, "pauses": pauses, "retries": retries}
     assert interruptions_line(job) == expected
-    if not pauses:  # (a server from before `pauses`)
+    if not pauses and not retries:  # (a server from before `pauses` and `retries`)
         assert interruptions_line({"restarts": restarts, "preemptions": preemptions}) == expected
 
 
