@@ -39,6 +39,20 @@ def events(api, job_id: str) -> list[dict]:  # type: ignore[no-untyped-def]
         return http.get(f"/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
 
 
+def log_text(api, job_id: str) -> str:  # type: ignore[no-untyped-def]
+    with api.client() as http:
+        return "\n".join(http.get(f"/jobs/{job_id}/logs", params={"tail": 1000}).json()["lines"])
+
+
+def timed_moves(history: list[dict]) -> list[tuple[str, datetime]]:
+    """The job's statuses, in order, with when it moved to each."""
+    return [
+        (e["data"]["status"], datetime.fromisoformat(e["created_at"]))
+        for e in history
+        if e["type"] == "status" and "status" in (e["data"] or {})
+    ]
+
+
 def test_success(live_api, dataset: Path) -> None:  # type: ignore[no-untyped-def]
     api = live_api()
     job_id = submit(api, dataset, steps="6")
@@ -283,14 +297,8 @@ def test_pause_stops_the_workers_and_resume_goes_on_from_the_checkpoint(  # type
     assert [e["type"] for e in history].count("launch") == 2
     steps = [e["step"] for e in history if e["type"] == "metrics"]
     assert sorted(set(steps)) == list(range(1, 31))
-    with api.client() as http:
-        logs = http.get(f"/jobs/{job_id}/logs", params={"tail": 1000}).json()["lines"]
-    assert f"resumed from the checkpoint at step {saved}" in "\n".join(logs)
-    moves = [
-        (e["data"]["status"], datetime.fromisoformat(e["created_at"]))
-        for e in history
-        if e["type"] == "status" and "status" in (e["data"] or {})
-    ]
+    assert f"resumed from the checkpoint at step {saved}" in log_text(api, job_id)
+    moves = timed_moves(history)
     assert [status for status, _ in moves] == [
         *("queued", "starting", "running", "pausing", "paused"),
         *("queued", "starting", "running", "succeeded"),
@@ -324,14 +332,8 @@ def test_a_failed_job_resumed_goes_on_from_the_checkpoint_its_failed_run_saved( 
     history = events(api, job_id)
     steps = [e["step"] for e in history if e["type"] == "metrics"]
     assert steps == [1, 2, 3, 4, 5, 6]  # (it went on from step 3)
-    with api.client() as http:
-        logs = http.get(f"/jobs/{job_id}/logs", params={"tail": 1000}).json()["lines"]
-    assert "resumed from the checkpoint at step 3" in "\n".join(logs)
-    moves = [
-        (e["data"]["status"], datetime.fromisoformat(e["created_at"]))
-        for e in history
-        if e["type"] == "status" and "status" in (e["data"] or {})
-    ]
+    assert "resumed from the checkpoint at step 3" in log_text(api, job_id)
+    moves = timed_moves(history)
     assert [status for status, _ in moves] == [
         *("queued", "starting", "running", "failed"),
         *("queued", "starting", "running", "succeeded"),
