@@ -514,7 +514,7 @@ class Dispatcher:
     def _silent_minutes(self, job: Job, now: datetime) -> float | None:
         """How long a running job's workers have reported nothing, if past TPUTUNE_STALL_MINUTES (timed from
         the dispatcher's watch at the latest: reports may have waited for it, or for the database)."""
-        limit = self.settings.stall_minutes
+        limit = (job.spec or {}).get("stall_minutes") or self.settings.stall_minutes  # (its own, first)
         if not limit or job.status != JobStatus.running or self._watching is None:
             return None
         reported = as_utc(job.reported_at) or as_utc(job.updated_at)
@@ -775,8 +775,9 @@ class Dispatcher:
         TPUTUNE_STALL_MAX_RESTARTS times."""
         stalls, most = service.stalls(session, job), self.settings.stall_max_restarts
         if stalls > most:
+            limit = "its stall_minutes" if (job.spec or {}).get("stall_minutes") else "TPUTUNE_STALL_MINUTES"
             message = (
-                f"The workers stalled (reported nothing for TPUTUNE_STALL_MINUTES) {stalls} times; giving up "
+                f"The workers stalled (reported nothing for {limit}) {stalls} times; giving up "
                 f"(TPUTUNE_STALL_MAX_RESTARTS {most}). Its checkpoints are kept."
             )
             service.transition(

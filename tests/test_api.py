@@ -122,6 +122,8 @@ def test_unknown_job_is_404(client: TestClient) -> None:
             "resources",
         ),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, 422, "invalid_request", "metadata"),
+        ({"stall_minutes": 0}, 422, "invalid_request", "stall_minutes"),
+        ({"stall_minutes": 1441}, 422, "invalid_request", "stall_minutes"),
         ({"surprise": 1}, 422, "invalid_request", "surprise"),
         # PostgreSQL's text cannot hold NUL (it was a 500 there, and the paths a 500 on both databases).
         ({"name": "a\x00b"}, 422, "nul_character", "name"),

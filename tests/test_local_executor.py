@@ -245,7 +245,13 @@ def test_stalls_are_timed_from_the_dispatchers_watch_not_before() -> None:
     dispatcher._watch(at + timedelta(minutes=2))
     assert dispatcher._silent_minutes(job, at + timedelta(minutes=6)) is None
     assert dispatcher._silent_minutes(job, at + timedelta(minutes=7)) == pytest.approx(5)
+    # A job's own stall_minutes, first.
+    job.spec = {"stall_minutes": 8}
+    assert dispatcher._silent_minutes(job, at + timedelta(minutes=9)) is None
+    assert dispatcher._silent_minutes(job, at + timedelta(minutes=10)) == pytest.approx(8)
     dispatcher.settings = Settings(stall_minutes=0, webhooks_enabled=False)
+    assert dispatcher._silent_minutes(job, at + timedelta(minutes=10)) == pytest.approx(8)
+    job.spec = {}
     assert dispatcher._silent_minutes(job, at + timedelta(hours=9)) is None
 
 

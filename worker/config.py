@@ -243,6 +243,13 @@ class JobSpec(_Strict):
     sample_prompts: Annotated[
         list[Annotated[Text, Field(min_length=1, max_length=2000)]], Field(max_length=8)
     ] = Field(default_factory=lambda: [DEFAULT_SAMPLE_PROMPT])
+    stall_minutes: Annotated[float, Field(gt=0, le=1440)] | None = Field(
+        default=None,
+        description="Minutes its running workers may report nothing (they report every step) before the "
+        "server takes the run for stalled and starts it again from its last checkpoint; default the "
+        "server's (TPUTUNE_STALL_MINUTES). For a model whose first step compiles, or an eval or export, for "
+        "longer.",
+    )
     metadata: dict[str, str] = Field(default_factory=dict, description="Up to 16 string pairs of your own.")
 
     @field_validator("model")
