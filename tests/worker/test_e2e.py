@@ -156,6 +156,37 @@ def test_pause_and_resume_the_real_worker_loses_no_step(  # type: ignore[no-unty
     assert f"resumed from the checkpoint at step {saved[-1]}" in [e["message"] for e in statuses]
 
 
+def test_a_real_worker_killed_fails_the_job_and_resumed_it_goes_on_from_its_checkpoint(  # type: ignore[no-untyped-def]
+    worker_api, story_corpus: Path, tiny_tokenizer_path: Path
+) -> None:
+    """A host lost: the run's processes SIGKILLed, no time to save. The job fails; its owner resumes it,
+    and the real worker goes on from the last checkpoint it committed, its loss history each step once."""
+    import json
+    import os
+    import signal
+
+    api = worker_api()
+    job_id = submit(api, story_corpus, tiny_tokenizer_path, steps=300)  # (a checkpoint at step 150)
+    api.wait_for(job_id, lambda j: j["progress"]["step"] >= 160 or j["status"] in FINAL, timeout=240)
+    runner = json.loads((api.settings.jobs_dir / job_id / "runner.json").read_text())["pid"]
+    os.killpg(runner, signal.SIGKILL)
+    failed = api.wait_for(job_id, lambda j: j["status"] in FINAL, timeout=60)
+    assert failed["status"] == "failed" and failed["error"]["code"] == "worker_lost", failed
+    saved = [int(p.name) for p in (Path(failed["output_uri"]) / "checkpoints").iterdir() if p.name.isdigit()]
+    assert max(saved) >= 150
+    with api.client() as http:
+        assert http.post(f"/jobs/{job_id}/resume").json()["status"] == "queued"
+    job = api.wait_for(job_id, lambda j: j["status"] in FINAL, timeout=240)
+    assert job["status"] == "succeeded" and job["retries"] == 1, job
+    total = job["progress"]["total_steps"]
+    assert job["progress"]["step"] == total > max(saved)
+    with api.client() as http:
+        points = http.get(f"/jobs/{job_id}/metrics").json()["data"]
+        statuses = http.get(f"/jobs/{job_id}/events", params={"type": "status", "limit": 1000}).json()["data"]
+    assert [p["step"] for p in points if p["loss"] is not None] == list(range(1, total + 1))
+    assert f"resumed from the checkpoint at step {max(saved)}" in [e["message"] for e in statuses]
+
+
 @pytest.mark.timeout(600)  # two processes each import gemma and compile: minutes on a busy 2-core machine
 def test_two_local_processes(worker_api, story_corpus: Path, tiny_tokenizer_path: Path) -> None:  # type: ignore[no-untyped-def]
     api = worker_api()
