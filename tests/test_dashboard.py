@@ -443,6 +443,8 @@ def test_a_failed_job_offers_resume(
     expect(page.locator("#pause")).to_be_disabled()
     expect(page.locator("#cancel")).to_be_disabled()
     expect(page.locator("#f-retries")).to_have_text("0")
+    expect(page.locator("#job-error")).to_be_visible()
+    expect(page.locator("#job-error-code")).to_have_text("worker_failed")
     expect(page.locator("#live")).to_have_text("Job finished; no more updates.")
 
     page.locator("#resume").click()
@@ -450,6 +452,7 @@ def test_a_failed_job_offers_resume(
     expect(page.locator("#resume")).to_be_disabled()
     expect(page.locator("#pause")).to_be_enabled()
     expect(page.locator("#f-retries")).to_have_text("1")
+    expect(page.locator("#job-error")).to_be_hidden()
     expect(page.locator("#status-message")).to_have_text(
         "Resumed after it failed (worker_failed); queued, it goes on from the start (it saved no checkpoint)."
     )
