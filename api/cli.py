@@ -118,8 +118,7 @@ def _print_job(job: dict[str, Any]) -> None:
 def interruptions_line(job: dict[str, Any]) -> str | None:
     """How often the job's run was interrupted and resumed, if ever: "2 restarts, 1 pause (...)"."""
     names = {"restarts": "restart", "preemptions": "preemption", "pauses": "pause", "retries": "retry"}
-    counts = [(job.get(name) or 0, name, one) for name, one in names.items()]
-    said = [f"{n} {name if n > 1 else one}" for n, name, one in counts if n]
+    said = [f"{n} {name if n > 1 else one}" for name, one in names.items() if (n := job.get(name) or 0)]
     return f"{', '.join(said)} (each resumed from the latest checkpoint)" if said else None
 
 

@@ -60,6 +60,11 @@ def _over_budget(over: tuple[float, int]) -> str:
     return f"your team's jobs held {held:,.0f} of its {budget:,} chip-hours this month"
 
 
+def _own_stall_minutes(job: Job) -> float | None:
+    """The job's own `stall_minutes`, if its spec sets one (checked when it was submitted)."""
+    return (job.spec or {}).get("stall_minutes")
+
+
 class Leader(Protocol):
     """api.leader.LeaderElector (not imported here: it needs the Kubernetes client)."""
 
@@ -514,7 +519,7 @@ class Dispatcher:
     def _silent_minutes(self, job: Job, now: datetime) -> float | None:
         """How long a running job's workers have reported nothing, if past TPUTUNE_STALL_MINUTES (timed from
         the dispatcher's watch at the latest: reports may have waited for it, or for the database)."""
-        limit = (job.spec or {}).get("stall_minutes") or self.settings.stall_minutes  # (its own, first)
+        limit = _own_stall_minutes(job) or self.settings.stall_minutes
         if not limit or job.status != JobStatus.running or self._watching is None:
             return None
         reported = as_utc(job.reported_at) or as_utc(job.updated_at)
@@ -591,9 +596,13 @@ class Dispatcher:
             session.commit()
 
     @staticmethod
-    def _restarts(job: Job, seen: Observation) -> int:
+    def _restarts_before(job: Job) -> int:
+        """The job's restarts in its runs before this one (a resumed job's)."""
+        return int((job.launch or {}).get(RESTARTS_BEFORE, 0))
+
+    def _restarts(self, job: Job, seen: Observation) -> int:
         """The job's restarts by the platform, with those of its runs before this one."""
-        return int((job.launch or {}).get(RESTARTS_BEFORE, 0)) + seen.restarts
+        return self._restarts_before(job) + seen.restarts
 
     def _reconcile(self, session: Session, job: Job, seen: Observation) -> None:
         restarts = self._restarts(job, seen)
@@ -666,7 +675,7 @@ class Dispatcher:
     def _restart(self, session: Session, job: Job) -> None:
         """Start a preempted local run again, TPUTUNE_LOCAL_MAX_RESTARTS times a run (a resumed job's new
         run has its own, as a new JobSet does)."""
-        before = int((job.launch or {}).get(RESTARTS_BEFORE, 0))
+        before = self._restarts_before(job)
         if job.restarts - before >= self.settings.local_max_restarts:
             message = (
                 f"The workers were preempted {job.restarts - before + 1} times; "
@@ -762,20 +771,17 @@ class Dispatcher:
         counted, job.paused told), then queued again at once, to go on from its last checkpoint when its
         turn comes; `paused` and `queued` say why. Unless it moved on meanwhile (a cancel). Both moves are
         one transaction: a dispatcher that dies between them would leave the job paused, for its owner to
-        resume, when nobody paused it."""
+        resume, when nobody paused it. (A step that fails between them is rolled back by `_guard`: neither
+        move, and the next pass stops it again.)"""
         if service.transition(session, job, JobStatus.paused, paused, commit=False):
-            try:
-                service.transition(session, job, JobStatus.queued, queued, event_data=data)
-            except BaseException:
-                session.rollback()  # (neither move: the next pass stops it again)
-                raise
+            service.transition(session, job, JobStatus.queued, queued, event_data=data)
 
     def _requeue_stalled(self, session: Session, job: Job) -> None:
         """A stalled job's run is stopped: it is queued again, or fails once it stalled more than
         TPUTUNE_STALL_MAX_RESTARTS times."""
         stalls, most = service.stalls(session, job), self.settings.stall_max_restarts
         if stalls > most:
-            limit = "its stall_minutes" if (job.spec or {}).get("stall_minutes") else "TPUTUNE_STALL_MINUTES"
+            limit = "its stall_minutes" if _own_stall_minutes(job) else "TPUTUNE_STALL_MINUTES"
             message = (
                 f"The workers stalled (reported nothing for {limit}) {stalls} times; giving up "
                 f"(TPUTUNE_STALL_MAX_RESTARTS {most}). Its checkpoints are kept."

@@ -185,8 +185,8 @@ def spent(
         func.sum(c.trained_tokens),
     )
     admitted = [c.admitted_at.is_not(None), c.admitted_at < until, ended_after]
-    plain = plain.where(c.preemptions == 0, c.pauses == 0, c.retries == 0, *admitted, *own)
-    plain = plain.group_by(c.tenant, shape)
+    interrupted = (c.preemptions, c.pauses, c.retries)  # (any of them: its moves are read, below)
+    plain = plain.where(*(count == 0 for count in interrupted), *admitted, *own).group_by(c.tenant, shape)
     # A preempted or paused one held them while starting, running, cancelling or pausing: each status it
     # was in, from when to when, are its moves (the status events that name a status: not the workers'
     # reports of their phase, nor why a job waits), each until the next. And its launches: a move to
@@ -242,12 +242,8 @@ def spent(
     connection = session.connection()
     rows = list(connection.execute(plain))
     # The preempted jobs first, then their moves: joined in one query, SQLite read every job's events.
-    preempted_then = [
-        or_(c.preemptions > 0, c.pauses > 0, c.retries > 0),
-        c.created_at < until,
-        ended_after,
-        *own,
-    ]
+    moved = or_(*(count > 0 for count in interrupted))
+    preempted_then = [moved, c.created_at < until, ended_after, *own]
     seqs = list(connection.execute(sa_select(c.seq).where(*preempted_then)).scalars())
     for first in range(0, len(seqs), _JOBS_AT_ONCE):
         rows += connection.execute(preempted, {"jobs": seqs[first : first + _JOBS_AT_ONCE]})

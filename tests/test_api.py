@@ -413,10 +413,10 @@ def test_resume_a_failed_job(client: TestClient, dataset: Path) -> None:
 
     from sqlmodel import Session, select
 
-    from api.jobs import new_job_token, transition
+    from api.jobs import transition
     from api.models import Job
     from api.states import JobStatus
-    from tests.test_progress import metrics, post, started_job
+    from tests.test_progress import metrics, new_run, post, started_job
 
     job_id, token = started_job(client, dataset)
     _set(client, job_id, launched_at=datetime.now(UTC), admitted_at=datetime.now(UTC) - timedelta(seconds=60))
@@ -449,12 +449,7 @@ def test_resume_a_failed_job(client: TestClient, dataset: Path) -> None:
     assert statuses(client, job_id) == ["queued", "starting", "running", "failed", "queued"]
     assert client.get("/jobs", params={"status": "failed"}).json()["data"] == []
     # Its new run fails as the first did: its error is the job's again (not taken for the first's).
-    with Session(client.app.state.engine) as session:  # type: ignore[attr-defined]
-        job = session.exec(select(Job).where(Job.id == job_id)).one()
-        assert transition(session, job, JobStatus.starting)
-        token, job.token_hash = new_job_token()
-        session.add(job)
-        session.commit()
+    token = new_run(client, job_id)
     assert post(client, job_id, token, [metrics(3, 1.2), error]).json()["accepted"] == 2  # (the error too)
     assert client.get(f"/jobs/{job_id}").json()["error"] == {
         "code": error["code"],

@@ -17,13 +17,18 @@ def started_job(client: TestClient, dataset: Path) -> tuple[str, str]:
     job_id = client.post("/jobs", json={"name": "p", "model": "tiny", "dataset_uri": str(dataset)}).json()[
         "id"
     ]
+    return job_id, new_run(client, job_id)
+
+
+def new_run(client: TestClient, job_id: str) -> str:
+    """The queued job's run launched, as the dispatcher does: starting, with a new token (returned)."""
     with Session(client.app.state.engine, expire_on_commit=False) as session:  # type: ignore[attr-defined]
         job = session.exec(select(Job).where(Job.id == job_id)).one()
-        transition(session, job, JobStatus.starting)
+        assert transition(session, job, JobStatus.starting)
         token, job.token_hash = new_job_token()
         session.add(job)
         session.commit()
-    return job_id, token
+    return token
 
 
 def post(client: TestClient, job_id: str, token: str | None, reports: list[dict]):  # type: ignore[no-untyped-def]
