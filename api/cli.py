@@ -266,7 +266,10 @@ def events(args: argparse.Namespace) -> int:
 
 def logs(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        seen = client.logs(args.job_id, tail=args.tail)["lines"]
+        answer = client.logs(args.job_id, tail=args.tail, previous=args.previous)
+        seen = answer["lines"]
+        if answer.get("saved_at"):
+            print(f"(saved as the run ended, {answer['saved_at']}: its pods are gone)", file=sys.stderr)
         for line in seen:
             print(line)
         while args.follow:
@@ -671,7 +674,13 @@ def parser() -> argparse.ArgumentParser:
     p = commands.add_parser("logs", help="the worker's log")
     p.add_argument("job_id")
     p.add_argument("--tail", type=int, default=200)
-    p.add_argument("--follow", "-f", action="store_true")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--follow", "-f", action="store_true")
+    which.add_argument(
+        "--previous",
+        action="store_true",
+        help="GKE: the log saved as the job's last run ended (a failed one's)",
+    )
     p.set_defaults(func=logs)
 
     p = commands.add_parser("cancel", help="cancel a job")

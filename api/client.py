@@ -152,8 +152,11 @@ class Client:
     def checkpoints(self, job_id: str) -> dict[str, Any]:
         return self._request("GET", f"/jobs/{job_id}/checkpoints")
 
-    def logs(self, job_id: str, tail: int = 200) -> dict[str, Any]:
-        return self._request("GET", f"/jobs/{job_id}/logs", params={"tail": tail})
+    def logs(self, job_id: str, tail: int = 200, previous: bool = False) -> dict[str, Any]:
+        params: dict[str, Any] = {"tail": tail}
+        if previous:
+            params["previous"] = "true"
+        return self._request("GET", f"/jobs/{job_id}/logs", params=params)
 
     # --- API keys (admin key only) ---
 

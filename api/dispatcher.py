@@ -630,6 +630,7 @@ class Dispatcher:
                 session, job, JobStatus.failed, message, error_code="worker_lost", error_message=message
             )
         elif seen.exit_code == EXIT_OK and not job.error_code:
+            self._keep_log(session, job)
             service.transition(session, job, JobStatus.succeeded, "Training finished.")
         elif seen.exit_code == EXIT_PREEMPTED:
             self._restart(session, job)
@@ -659,6 +660,7 @@ class Dispatcher:
         session.commit()
 
     def _fail(self, session: Session, job: Job, exit_code: int | None, reason: str | None = None) -> None:
+        self._keep_log(session, job)
         if job.error_code:
             code, message = job.error_code, job.error_message or ""
         elif exit_code == EXIT_BAD_INPUT:
@@ -702,6 +704,24 @@ class Dispatcher:
         service.add_event(session, job, "restart", job.status_message, data={"restarts": job.restarts})
         session.commit()
 
+    def _keep_log(self, session: Session, job: Job) -> None:
+        """As a run ends, where its log goes with it (a pod's): save the end of it (the last
+        TPUTUNE_K8S_SAVED_LOG_LINES lines), for `GET /jobs/{id}/logs` once the run is gone (its JobSet
+        deleted: the job paused, cancelled or resumed, or past its TTL). Again on each pass while the run
+        stops: the later lines replace the earlier. Best effort: a log the platform does not give now does
+        not hold the job's end up."""
+        most = self.settings.k8s_saved_log_lines
+        if self.executor.logs_outlive_runs or most == 0 or job.launched_at is None:
+            return
+        try:
+            lines, truncated = self.executor.logs(job, most)
+        except Exception:
+            log.warning("job %s: could not read its log to save it", job.id, exc_info=True)
+            return
+        if lines:
+            service.save_log(session, job, lines, truncated)
+            session.commit()
+
     def _remove_last_run(self, session: Session, job: Job) -> bool:
         """A resumed job's run before (its `launch`, kept): removed before the job is launched anew, else
         its launch would find and adopt that run (a failed one's JobSet, its exit record). A paused job's
@@ -729,6 +749,8 @@ class Dispatcher:
             self._adopt_unrecorded(session, job)
             if job.launched_at is None:
                 self._discard(job, best_effort=False)  # retried on the next pass if the platform is away
+        if job.launched_at is not None:
+            self._keep_log(session, job)
         if job.launched_at is None or self.executor.cancel(job):
             service.transition(session, job, JobStatus.cancelled, "Cancelled; the workers are stopped.")
 
@@ -744,8 +766,10 @@ class Dispatcher:
             if seen.state == "exited" and seen.exit_code not in STOPPED:
                 self._reconcile(session, job, seen)  # (it finished, or failed, before the pause stopped it)
                 return
-            if seen.state != "gone" and not self.executor.cancel(job):
-                return  # stopping; the next pass looks again
+            if seen.state != "gone":
+                self._keep_log(session, job)
+                if not self.executor.cancel(job):
+                    return  # stopping; the next pass looks again
         self._discard(job, best_effort=False)  # (the run's leftovers: resumed, it starts afresh)
         paused_for = service.paused_for(session, job)
         if paused_for == STALLED:

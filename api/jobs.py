@@ -29,7 +29,7 @@ from sqlmodel import Session, col, select
 from api import tpu
 from api.db import autocommit_connection, upsert_insert
 from api.errors import ApiError, not_found
-from api.models import IdempotencyKey, Job, JobEvent, Tenant, as_utc, job_spec, utcnow
+from api.models import IdempotencyKey, Job, JobEvent, JobLog, Tenant, as_utc, job_spec, utcnow
 from api.settings import Settings
 from api.states import FINAL, JobStatus, check_transition
 from api.tenants import Limits
@@ -1229,6 +1229,42 @@ def metrics_history(
         else:
             points[step].update({k: data.get(k) for k in METRIC_FIELDS})
     return list(points.values()), False
+
+
+SAVED_LOG_BYTES = 256 * 1024  # the most of a run's log kept (its last lines)
+
+
+def run_index(job: Job) -> int:
+    """Which of the job's runs goes now: each pause and each retry ends one, its next launch starts
+    another."""
+    return job.pauses + job.retries
+
+
+def save_log(session: Session, job: Job, lines: list[str], truncated: bool) -> None:
+    """Keep the end of the current run's log (again, if it was saved before: the later lines replace it),
+    at most SAVED_LOG_BYTES of it. Committed by the caller."""
+    kept: list[str] = []
+    size = 0
+    for line in reversed(lines):
+        size += len(line.encode()) + 1
+        if size > SAVED_LOG_BYTES:
+            truncated = True
+            break
+        kept.append(line)
+    text = "\n".join(reversed(kept))
+    assert job.seq is not None
+    row = session.get(JobLog, (job.seq, run_index(job)))
+    if row is None:
+        row = JobLog(job_seq=job.seq, run=run_index(job))
+    row.text, row.truncated, row.saved_at = text, truncated, utcnow()
+    session.add(row)
+
+
+def saved_log(session: Session, job: Job) -> JobLog | None:
+    """The log saved as the job's latest run to end ended, if any."""
+    return session.exec(
+        select(JobLog).where(JobLog.job_seq == job.seq).order_by(col(JobLog.run).desc()).limit(1)
+    ).first()
 
 
 def checkpoints(session: Session, job: Job) -> list[dict[str, Any]]:

@@ -127,6 +127,19 @@ class JobEvent(SQLModel, table=True):
     dedupe_key: str | None = Field(default=None, max_length=128)
 
 
+class JobLog(SQLModel, table=True):
+    """The end of a run's worker log, saved as the run ended where the log goes with it (a pod's): one row
+    a run, `run` being the job's pauses + retries while it ran."""
+
+    __tablename__ = "job_logs"
+
+    job_seq: int = Field(sa_type=BigInteger, foreign_key="jobs.seq", primary_key=True, ondelete="CASCADE")
+    run: int = Field(primary_key=True)
+    saved_at: datetime = Field(default_factory=utcnow, sa_type=DateTime(timezone=True), nullable=False)
+    text: str = Field(default="", sa_type=Text)
+    truncated: bool = False
+
+
 class IdempotencyKey(SQLModel, table=True):
     __tablename__ = "idempotency_keys"
 

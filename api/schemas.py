@@ -270,6 +270,11 @@ class LogsResponse(BaseModel):
     job_id: str
     lines: list[str]
     truncated: bool = Field(description="True when older lines were left out (see `tail`).")
+    saved_at: datetime | None = Field(
+        default=None,
+        description="Set when the lines are those saved as the job's latest run ended (Kubernetes: its "
+        "pods, and their logs, are gone): when they were saved.",
+    )
 
 
 class Health(BaseModel):

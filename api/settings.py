@@ -284,6 +284,13 @@ class Settings(BaseSettings):
     k8s_ttl_seconds_after_finished: int | None = Field(
         default=86400, ge=0, description="Finished JobSets are deleted after this long (unset: kept)."
     )
+    k8s_saved_log_lines: int = Field(
+        default=500,
+        ge=0,
+        le=10_000,
+        description="The last lines of a run's worker log kept in the database as the run ends (its pods' "
+        "logs go with its JobSet: paused, cancelled, resumed or past its TTL); 0: none.",
+    )
     k8s_kueue_queue: str | None = Field(default=None, description="Kueue LocalQueue for the JobSets.")
     k8s_kueue_priority_class: str | None = Field(default=None, description="Kueue WorkloadPriorityClass.")
     k8s_gcs_fuse_mount_options: str = Field(

@@ -64,6 +64,8 @@ def test_submit_follow_status_events_checkpoints(live_api, dataset: Path, capsys
     assert "step       8" in out and "final.json" in out
     code, out, _ = run(api, capsys, "logs", job_id)
     assert "fake worker" in out
+    code, _, err = run(api, capsys, "logs", job_id, "--previous")  # (a local log file keeps every run's)
+    assert code == 3 and "drop previous. (previous_not_supported)" in err
     # Another from its weights; the API's sentence when it cannot.
     code, out, _ = run(api, capsys, "submit", str(spec), "--from-job", job_id)
     more = api.client().get(f"/jobs/{out.split()[1]}").json()

@@ -24,7 +24,7 @@ from sqlalchemy import create_engine, insert, update
 from sqlmodel import Session, col, select
 
 from api.auth import COOKIE_NAME, DEFAULT_TENANT
-from api.jobs import new_job_token, transition
+from api.jobs import new_job_token, save_log, transition
 from api.migrate import upgrade
 from api.models import Job, JobEvent, utcnow
 from api.routes.dashboard import STATIC_DIR
@@ -463,6 +463,33 @@ def test_a_failed_job_offers_resume(
         assert http.post(f"/jobs/{job_id}/pause").json()["status"] == "paused"
     expect(page.locator("#status")).to_have_text("paused")
     expect(page.locator("#events li").first).to_contain_text("Paused before it started")
+    tab.assert_clean()
+
+
+def test_the_log_says_when_it_was_saved(
+    live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    """A job whose run's workers are gone (on GKE, its pods and their logs) shows the lines saved as the
+    run ended, and says so; one with nothing saved says it has no lines yet."""
+    api = live_api(dispatcher_enabled=False)
+    job_id, _ = started(api, dataset, "fails")
+    engine = api.server.config.app.state.engine  # type: ignore[union-attr]
+    with Session(engine, expire_on_commit=False) as session:
+        job = session.exec(select(Job).where(Job.id == job_id)).one()
+        save_log(session, job, ["step 1", "Traceback: boom"], truncated=False)  # as the dispatcher does
+        message = "The worker exited with status 1."
+        transition(session, job, JobStatus.failed, message, error_code="worker_failed", error_message=message)
+    tab = open_tab(api, f"/ui/jobs/{job_id}")
+    tab.page.locator("#logs summary").click()
+    expect(tab.page.locator("#log-lines")).to_have_text("step 1\nTraceback: boom")
+    expect(tab.page.locator("#log-saved")).to_be_visible()
+    expect(tab.page.locator("#log-saved")).to_contain_text("Saved as the last run ended")
+
+    other, _ = started(api, dataset, "quiet")
+    tab.page.goto(f"{api.url}/ui/jobs/{other}")
+    tab.page.locator("#logs summary").click()
+    expect(tab.page.locator("#log-lines")).to_have_text("No log lines yet.")
+    expect(tab.page.locator("#log-saved")).to_be_hidden()
     tab.assert_clean()
 
 

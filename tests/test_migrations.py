@@ -31,6 +31,7 @@ TABLES = {
     "webhook_deliveries",
     "webhook_cursor",
     "audit_events",
+    "job_logs",
 }
 
 

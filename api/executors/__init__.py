@@ -32,6 +32,9 @@ class Observation:
 
 class Executor(Protocol):
     name: str
+    # True where a run's log outlives it (a file); False where it goes with the run (a pod's): the
+    # dispatcher then saves the end of it as the run ends.
+    logs_outlive_runs: bool
 
     def find(self, job: Job) -> dict[str, Any] | None:
         """The launch handle of a run of this job that already exists (adopt it), or None."""

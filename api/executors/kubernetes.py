@@ -498,6 +498,7 @@ def _attempt(pod: dict[str, Any]) -> tuple[int, str]:
 
 class KubernetesExecutor:
     name = "kubernetes"
+    logs_outlive_runs = False
 
     def __init__(self, settings: Settings, kube: KubeClient | None = None) -> None:
         missing = [

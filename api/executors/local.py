@@ -59,6 +59,7 @@ def _runner_of(job_id: str) -> int | None:
 
 class LocalExecutor:
     name = "local"
+    logs_outlive_runs = True
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings

@@ -37,7 +37,7 @@ from api.errors import (
     read_json_body,
 )
 from api.executors import FollowsLogs, LogStream
-from api.models import MAX_ID
+from api.models import MAX_ID, as_utc
 from api.schemas import (
     EXAMPLE_JOB,
     CheckpointList,
@@ -550,10 +550,36 @@ def job_logs(
         bool,
         Query(description="Kubernetes: stream the lines as text, then new ones until the worker's pod ends."),
     ] = False,
+    previous: Annotated[
+        bool,
+        Query(
+            description="Kubernetes: the log saved as the job's latest run to end ended (a failed run's, "
+            "while the resumed job runs again)."
+        ),
+    ] = False,
 ) -> Response:
     """JAX process 0's log: the last `tail` lines, or with `follow=true` those and then new ones as they
-    come (kubernetes executor; the stream ends when the pod does, e.g. at a restart: follow again)."""
+    come (kubernetes executor; the stream ends when the pod does, e.g. at a restart: follow again).
+
+    On Kubernetes a run's log goes with its pods (its JobSet deleted: the job paused, cancelled or
+    resumed, or past TPUTUNE_K8S_TTL_SECONDS_AFTER_FINISHED): the end of it is saved as the run ends, and
+    served, with `saved_at`, once no pod has a log; `previous=true` asks for it while one does."""
     job = service.get_job(session, principal.scope, job_id)
+    if previous and follow:
+        raise ApiError(
+            400,
+            "previous_not_supported",
+            "A saved log cannot be followed; drop follow or previous.",
+            param="previous",
+        )
+    if previous and executor.logs_outlive_runs:
+        raise ApiError(
+            400,
+            "previous_not_supported",
+            "This server runs jobs as local processes, whose log file keeps every run's lines; "
+            "drop previous.",
+            param="previous",
+        )
     if follow:
         if not isinstance(executor, FollowsLogs):
             raise ApiError(
@@ -582,8 +608,19 @@ def job_logs(
         )
     # (a resumed job's last run, until it runs again: its `launch` is kept until then)
     ran = job.launched_at is not None or job.launch is not None or job.pauses > 0
-    lines, truncated = executor.logs(job, tail) if ran else ([], False)
-    return json_response(LogsResponse(job_id=job.id, lines=lines, truncated=truncated))
+    lines, truncated = executor.logs(job, tail) if ran and not previous else ([], False)
+    saved = service.saved_log(session, job) if previous or not lines else None
+    if saved is None:
+        return json_response(LogsResponse(job_id=job.id, lines=lines, truncated=truncated))
+    kept = saved.text.splitlines()
+    return json_response(
+        LogsResponse(
+            job_id=job.id,
+            lines=kept[-tail:],
+            truncated=saved.truncated or len(kept) > tail,
+            saved_at=as_utc(saved.saved_at),
+        )
+    )
 
 
 async def _relay_log(log: LogStream, stream: Stream, threads: anyio.CapacityLimiter) -> AsyncIterator[str]:

@@ -333,6 +333,11 @@ $("logs").addEventListener("toggle", async () => {
   try {
     const logs = await api(`${base}/logs?tail=200`);
     $("log-lines").textContent = logs.lines.join("\n") || "No log lines yet.";
+    // (GKE: the run's pods are gone, and their logs with them; these lines were saved as it ended)
+    $("log-saved").textContent = logs.saved_at
+      ? `Saved as the last run ended (${formatDate(logs.saved_at)}): its workers are gone.`
+      : "";
+    $("log-saved").hidden = !logs.saved_at;
   } catch (error) {
     $("log-lines").textContent = error.message;
   }

@@ -330,6 +330,8 @@ class FakeKubernetes:
                 if key in self.objects:
                     self._delete(*key, "Background")
         gone = self.objects.pop((plural, namespace, name))
+        if plural == "pods":
+            self.logs.pop((namespace, name), None)  # (a new pod of the same name starts a log of its own)
         self._bump()
         self._record(plural, namespace, "DELETED", gone)
         return gone

@@ -7,14 +7,19 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 from fastapi.testclient import TestClient
 
+from api import jobset as render
+from api.cli import main
 from tests.conftest import LiveApi
 from tests.k8s.cluster import NAMESPACE, Cluster
 from tests.k8s.fake_apiserver import FakeKubernetes
-from tests.k8s.test_reconciler import running, submit
+from tests.k8s.test_pause import wait_deleted
+from tests.k8s.test_reconciler import FINAL, running, submit
 
 
 def process_zero(cluster: Cluster, job_id: str) -> str:
@@ -48,6 +53,7 @@ def test_tail_and_follow_the_process_zero_log(
             "job_id": job_id,
             "lines": ["step 2", "step 3"],
             "truncated": True,
+            "saved_at": None,
         }
         assert http.get(f"/jobs/{job_id}/logs").json()["truncated"] is False
 
@@ -163,3 +169,86 @@ def test_a_revoked_keys_log_follower_ends_at_once(
         assert next(lines, None) is None
         assert time.monotonic() - started < 2.0
     assert _followers_gauge(api) == 0
+
+
+def logs(api: LiveApi, job_id: str, **params: Any) -> dict[str, Any]:
+    with api.client() as http:
+        answer = http.get(f"/jobs/{job_id}/logs", params=params)
+    assert answer.status_code == 200, answer.text
+    return dict(answer.json())
+
+
+def test_a_runs_log_is_saved_as_it_ends_and_served_once_its_pods_are_gone(
+    k8s_api: Callable[..., LiveApi],
+    cluster: Cluster,
+    fake_k8s: FakeKubernetes,
+    dataset_uri: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A pod's log goes with the pod: the end of each run's (TPUTUNE_K8S_SAVED_LOG_LINES lines) is saved as
+    it ends (failed, paused, succeeded) and served with `saved_at` once no pod has one; `previous=true`
+    gives the failed run's while the resumed job runs again."""
+    api = k8s_api(k8s_saved_log_lines=3)
+    job_id = submit(api, dataset_uri)
+    running(api, cluster, job_id)
+    fake_k8s.append_log(
+        process_zero(cluster, job_id), NAMESPACE, "loading", "step 1", "step 2", "Traceback: boom"
+    )
+    assert logs(api, job_id, previous="true")["saved_at"] is None  # (running: nothing saved yet)
+    cluster.fail(job_id, exit_code=1)
+    assert api.wait_for(job_id, lambda j: j["status"] in FINAL)["status"] == "failed"
+    live = logs(api, job_id)  # the failed JobSet is kept: its pod's log is read
+    assert live["lines"][-1] == "Traceback: boom" and live["saved_at"] is None
+    failed_run = logs(api, job_id, previous="true")
+    assert failed_run["lines"] == ["step 1", "step 2", "Traceback: boom"] and failed_run["truncated"] is True
+    assert failed_run["saved_at"] is not None
+
+    fake_k8s.hold_foreground = True  # resumed, it waits queued while the failed JobSet is deleted
+    with api.client() as http:
+        assert http.post(f"/jobs/{job_id}/resume").json()["status"] == "queued"
+    wait_deleted(fake_k8s, job_id)
+    assert cluster.pods(job_id) == []
+    assert logs(api, job_id) == failed_run  # no pod: the saved log
+    assert logs(api, job_id, tail=1) == {**failed_run, "lines": ["Traceback: boom"]}
+    fake_k8s.finish_deletions()
+    fake_k8s.hold_foreground = False
+    running(api, cluster, job_id)
+    fake_k8s.append_log(process_zero(cluster, job_id), NAMESPACE, "resumed at step 2", "step 3")
+    live = logs(api, job_id)
+    assert live["lines"] == ["resumed at step 2", "step 3"] and live["saved_at"] is None
+    assert logs(api, job_id, previous="true") == failed_run
+
+    with api.client() as http:
+        assert http.post(f"/jobs/{job_id}/pause").json()["status"] == "pausing"
+    assert api.wait_for(job_id, lambda j: j["status"] != "pausing")["status"] == "paused"
+    assert cluster.jobset(job_id) is None
+    paused_run = logs(api, job_id)
+    assert paused_run["lines"] == ["resumed at step 2", "step 3"] and paused_run["truncated"] is False
+    assert paused_run["saved_at"] > failed_run["saved_at"]
+    assert logs(api, job_id, previous="true") == paused_run
+
+    with api.client() as http:
+        assert http.post(f"/jobs/{job_id}/resume").json()["status"] == "queued"
+    running(api, cluster, job_id)
+    fake_k8s.append_log(process_zero(cluster, job_id), NAMESPACE, "done")
+    cluster.complete(job_id)
+    assert api.wait_for(job_id, lambda j: j["status"] in FINAL)["status"] == "succeeded"
+    fake_k8s.remove("jobsets", render.jobset_name(job_id), NAMESPACE)  # its TTL after it finished
+    for pod in cluster.pods(job_id):
+        fake_k8s.remove("pods", pod["metadata"]["name"], NAMESPACE)
+    last = logs(api, job_id)
+    assert last["lines"] == ["done"] and last["saved_at"] > paused_run["saved_at"]
+    assert main(["--api-url", api.url, "logs", job_id, "--previous"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "done\n" and err.startswith("(saved as the run ended, ")
+    with api.client() as http:
+        refused = http.get(f"/jobs/{job_id}/logs", params={"previous": "true", "follow": "true"})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "previous_not_supported"
+
+
+def test_local_logs_have_no_previous(client: TestClient, dataset: Path) -> None:
+    """A local job's log file keeps every run's lines: nothing is saved apart."""
+    job = client.post("/jobs", json={"name": "local", "model": "tiny", "dataset_uri": str(dataset)}).json()
+    answer = client.get(f"/jobs/{job['id']}/logs", params={"previous": "true"})
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "previous_not_supported"
+    assert client.get(f"/jobs/{job['id']}/logs").json()["saved_at"] is None
