@@ -15,8 +15,8 @@ from sqlalchemy import select as sa_select
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from api import housekeeping, tenants
 from api import jobs as service
-from api import tenants
 from api.datasets import DatasetUnavailable, StorageUnreachable, check_dataset
 from api.db import session_scope
 from api.errors import ApiError
@@ -118,6 +118,7 @@ class Dispatcher:
         # it reports after that: its silence counts from then.
         self._watching: tuple[datetime, datetime] | None = None
         self._run_started: dict[str, datetime] = {}
+        self._housekept = 0.0  # when it last deleted what is past its time (api.housekeeping; monotonic)
         # Webhooks are sent beside the dispatcher, in a thread of its own, by the leader only.
         self.webhooks: WebhookSender | None = None
         if settings.webhooks_enabled:
@@ -196,9 +197,24 @@ class Dispatcher:
             except ExecutorUnavailable as exc:
                 # Every other job would wait on it too: end this pass, the next one retries.
                 log.warning("%s; retrying on the next pass", exc)
+        self._housekeep()
         if self.metrics is not None:
             self.metrics.passed()
         return more
+
+    def _housekeep(self) -> None:
+        """Once an hour (at the leader's first pass, then every housekeeping.EVERY_SECONDS): idempotency
+        keys and audit events past their time deleted."""
+        if self._housekept and time.monotonic() - self._housekept < housekeeping.EVERY_SECONDS:
+            return
+        self._housekept = time.monotonic()
+        try:
+            pruned = housekeeping.prune(self.engine, self.settings)
+        except Exception:
+            log.warning("could not delete the rows past their time; again in an hour", exc_info=True)
+            return
+        if any(pruned.values()):
+            log.info("deleted what is past its time: %s", pruned)
 
     def _watch(self, now: datetime) -> None:
         """At a pass's start: running jobs are watched for stalls from the first pass, or the first after a

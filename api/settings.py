@@ -244,6 +244,15 @@ class Settings(BaseSettings):
     webhook_max_per_tenant: int = Field(
         default=10, ge=1, le=1000, description="Endpoints one tenant may have."
     )
+    idempotency_key_hours: float = Field(
+        default=24,
+        gt=0,
+        description="An Idempotency-Key is remembered this long at least (deleted within the hour after): "
+        "the same key later makes a new job.",
+    )
+    audit_retention_days: float | None = Field(
+        default=None, gt=0, description="Audit events older than this are deleted (unset: kept)."
+    )
     webhook_retention_days: float = Field(
         default=30, gt=0, description="Deliveries done are kept this long (GET /webhooks/{id}/deliveries)."
     )
