@@ -864,7 +864,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         for error in exc.errors(include_url=False):  # type: ignore[attr-defined]  # (names, not a traceback)
             name = "TPUTUNE_" + "_".join(str(part) for part in error["loc"]).upper()
-            print(f"tputune: {name}: {error['msg']}", file=sys.stderr)
+            print(f"tputune: {name}: {error['msg'].removeprefix('Value error, ')}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -9,6 +9,7 @@ import sys
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -230,6 +231,11 @@ class Settings(BaseSettings):
         description="CA certificates (PEM) to trust for https endpoints instead of the public ones "
         "(endpoints behind a company's own CA).",
     )
+    webhook_proxy: SecretStr | None = Field(
+        default=None,
+        description="http(s)://[user:password@]host:port of the egress proxy webhooks go through (no other "
+        "proxy setting, HTTPS_PROXY included, applies to them).",
+    )
     webhook_retry_seconds: Annotated[list[float], NoDecode] = Field(
         default_factory=lambda: [5.0, 30.0, 120.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0, 28800.0],
         description="Waits before each retry of a failed delivery (comma-separated seconds); after the "
@@ -365,6 +371,15 @@ class Settings(BaseSettings):
                 "a Kubernetes service account name: lowercase letters, digits, '-' and '.', starting and "
                 "ending with a letter or digit, `{tenant}` standing for the job's team"
             )
+        return value
+
+    @field_validator("webhook_proxy")
+    @classmethod
+    def _proxy(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            parts = urlsplit(value.get_secret_value())
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError("an http:// or https:// proxy URL with a host, e.g. http://proxy.corp:3128")
         return value
 
     @field_validator("webhook_retry_seconds")

@@ -183,16 +183,21 @@ class Refused(Exception):
     """A delivery not sent: its URL's host resolved to no address it may go to."""
 
 
+class Unresolved(Refused):
+    """Its URL's host resolved to no address at all (here: behind a proxy, the proxy's network may know
+    it)."""
+
+
 def resolve(host: str, port: int, allow_private: bool) -> str:
     """The address to connect to for `host`: every address it resolves to must be public (unless
     private ones are allowed), not just the first, so that an answer cannot mix one in."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
-        raise Refused(f"could not resolve {host}: {exc}") from None
+        raise Unresolved(f"could not resolve {host}: {exc}") from None
     addresses = [str(info[4][0]) for info in infos]
     if not addresses:
-        raise Refused(f"{host} resolves to no address")
+        raise Unresolved(f"{host} resolves to no address")
     if not allow_private:
         private = [a for a in addresses if not _public(ipaddress.ip_address(a.split("%")[0]))]
         if private:
@@ -427,7 +432,9 @@ class WebhookSender:
         self._loop_thread: threading.Thread | None = None
         self._lookups: ThreadPoolExecutor | None = None
         self._client: httpx.AsyncClient | None = None  # (the loop's)
-        self._resolved: dict[tuple[str, int], tuple[str, float]] = {}  # (the loop's) → (address, until)
+        self._resolved: dict[
+            tuple[str, int], tuple[str | None, float]
+        ] = {}  # (the loop's) → (address, until)
         self._in_flight: dict[int, str] = {}  # delivery id → endpoint id (the sender's thread only)
         self._futures: dict[int, concurrent.futures.Future[Attempt]] = {}
         self._done: queue.SimpleQueue[tuple[Any, Attempt]] = queue.SimpleQueue()
@@ -853,24 +860,32 @@ class WebhookSender:
         except (TimeoutError, httpx.TimeoutException):
             return Attempt(False, error=f"no answer within {timeout:g} s")
 
-    async def _address(self, host: str, port: int) -> str:
+    async def _address(self, host: str, port: int) -> str | None:
         """`resolve` on a lookup thread; an address checked is used again for RESOLVED_SECONDS (a burst to
         one endpoint looks it up once: the lookup's thread hop cost as much CPU as the post's parsing).
-        What is connected to is still an address that was checked."""
+        What is connected to is still an address that was checked. Behind a proxy (TPUTUNE_WEBHOOK_PROXY),
+        None for a name that does not resolve here: the proxy looks it up (egress proxies often are the
+        only way to names outside); one that resolves here to a private address is still refused."""
         key = (host, port)
         now = time.monotonic()
         cached = self._resolved.get(key)
         if cached is not None and cached[1] > now:
             return cached[0]
         allow = self.settings.webhook_allow_private
-        address = await asyncio.get_running_loop().run_in_executor(None, resolve, host, port, allow)
+        address: str | None = None
+        try:
+            address = await asyncio.get_running_loop().run_in_executor(None, resolve, host, port, allow)
+        except Unresolved:
+            if self.settings.webhook_proxy is None:
+                raise
         if len(self._resolved) >= 1024:
             self._resolved.clear()
         self._resolved[key] = (address, now + RESOLVED_SECONDS)
         return address
 
     async def _attempt(self, row: Any) -> Attempt:
-        """Post to the address its host resolves to now (checked), with the signature."""
+        """Post to the address its host resolves to now (checked), with the signature; behind a proxy, by
+        the host's name (the proxy connects: CONNECT host:port for https), once checked as above."""
         try:
             parts = urlsplit(row.url)
             host = parts.hostname or ""
@@ -880,7 +895,9 @@ class WebhookSender:
             return Attempt(False, error=str(exc))
         except ValueError as exc:
             return Attempt(False, error=f"invalid URL: {exc}")
-        netloc = f"[{address}]" if ":" in address else address
+        via = host if self.settings.webhook_proxy is not None else address
+        assert via is not None  # (None only behind a proxy)
+        netloc = f"[{via}]" if ":" in via else via
         target = urlunsplit((parts.scheme, f"{netloc}:{port}", parts.path or "/", parts.query, ""))
         message_id = json.loads(row.body)["id"]
         timestamp = int(time.time())
@@ -910,7 +927,10 @@ class WebhookSender:
         """(On the event loop only.)"""
         if self._client is None:
             bundle = self.settings.webhook_ca_bundle
+            proxy = self.settings.webhook_proxy
             self._client = httpx.AsyncClient(
+                proxy=proxy.get_secret_value() if proxy is not None else None,
+                trust_env=False,  # (not HTTPS_PROXY: posts go to the address checked, or the proxy set)
                 verify=ssl.create_default_context(cafile=str(bundle)) if bundle is not None else True,
                 timeout=self.settings.webhook_timeout_seconds,
                 follow_redirects=False,

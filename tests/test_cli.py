@@ -504,11 +504,13 @@ def test_invalid_settings_are_named_as_the_environment_names_them(
     monkeypatch.setenv("TPUTUNE_DATA_DIR", str(tmp_path))
     monkeypatch.setenv("TPUTUNE_K8S_OUTPUT_BASE_URI", "gs://OUTPUT_BUCKET/tputune")
     monkeypatch.setenv("TPUTUNE_PORT", "eighty")
+    monkeypatch.setenv("TPUTUNE_WEBHOOK_PROXY", "proxy.corp:3128")  # (no scheme)
     assert main(["serve"]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith("tputune: TPUTUNE_PORT: ") and "integer" in lines[0]
-    assert lines[1].startswith("tputune: TPUTUNE_K8S_OUTPUT_BASE_URI: 'OUTPUT_BUCKET' is not a Cloud")
-    assert len(lines) == 2
+    assert lines[1].startswith("tputune: TPUTUNE_WEBHOOK_PROXY: an http:// or https:// proxy URL")
+    assert lines[2].startswith("tputune: TPUTUNE_K8S_OUTPUT_BASE_URI: 'OUTPUT_BUCKET' is not a Cloud")
+    assert len(lines) == 3
 
 
 def test_every_setting_is_in_the_readmes_table() -> None:

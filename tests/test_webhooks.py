@@ -32,6 +32,7 @@ from api.settings import Settings
 from api.states import JobStatus
 from api.webhooks import WebhookSender
 from tests.conftest import LiveApi
+from tests.support.proxy import ConnectProxy
 from tests.test_auth import ADMIN, bearer, make_key
 
 OPEN = {"webhook_allow_http": True, "webhook_allow_private": True}
@@ -792,6 +793,55 @@ def test_an_https_endpoint_is_checked_against_its_name(
     finally:
         for endpoint in (right, wrong):
             endpoint.close()
+
+
+def test_behind_an_egress_proxy_endpoints_are_asked_for_by_name(
+    make_settings: Callable[..., Settings], dataset: Path, tmp_path: Path
+) -> None:
+    """With TPUTUNE_WEBHOOK_PROXY the sender asks the proxy for the endpoint by its name (CONNECT
+    name:port), which only the proxy's network may resolve, and checks TLS against that name. A name that
+    resolves here to a private address is still refused, without asking the proxy. Without the proxy, the
+    name that does not resolve here fails."""
+    ca, server = certificates(tmp_path)
+    outside = Receiver(server("hooks.partner.test"))
+    port = outside.server.server_address[1]
+    proxy = ConnectProxy(hosts={"hooks.partner.test": "127.0.0.1"})
+    settings = make_settings(
+        dispatcher_enabled=False,
+        webhook_allow_private=True,  # (to add the localhost endpoint; the senders below do not allow it)
+        webhook_ca_bundle=ca,
+        webhook_retry_seconds=[0.0],
+        webhook_proxy=proxy.url.replace("http://", "http://ops:pr0xy-s3cret@"),
+    )
+    try:
+        with TestClient(create_app(settings)) as client:
+            hook = client.post("/webhooks", json={"url": f"https://hooks.partner.test:{port}/hook"}).json()
+            move(client, new_job(client, dataset), JobStatus.cancelled)
+            drain(sender(client, webhook_allow_private=False))
+            assert proxy.tunnels == [f"hooks.partner.test:{port}"]
+            assert len(outside.requests) == 1 and set(outside.server_names) == {"hooks.partner.test"}
+            assert outside.requests[0]["headers"]["host"] == f"hooks.partner.test:{port}"
+            assert [d["status"] for d in deliveries(client, hook["id"])] == ["delivered"]
+            assert "pr0xy-s3cret" not in repr(settings)
+
+            # A name that resolves here to a private address: refused here, the proxy not asked for it.
+            inside = client.post("/webhooks", json={"url": f"https://localhost:{port}/hook"}).json()
+            move(client, new_job(client, dataset), JobStatus.cancelled)
+            drain(sender(client, webhook_allow_private=False))
+            [refused] = deliveries(client, inside["id"])
+            assert refused["status"] == "failed" and "private or local address" in refused["last_error"]
+            assert proxy.tunnels == [f"hooks.partner.test:{port}"] * 2 and len(outside.requests) == 2
+
+            # Without the proxy, the name does not resolve here.
+            move(client, new_job(client, dataset), JobStatus.cancelled)
+            drain(sender(client, webhook_allow_private=False, webhook_proxy=None))
+            latest = deliveries(client, hook["id"])[0]
+            assert latest["status"] == "failed"
+            assert "could not resolve hooks.partner.test" in latest["last_error"]
+            assert len(proxy.tunnels) == 2 and len(outside.requests) == 2
+    finally:
+        outside.close()
+        proxy.close()
 
 
 @pytest.mark.postgres
