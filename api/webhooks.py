@@ -432,9 +432,8 @@ class WebhookSender:
         self._loop_thread: threading.Thread | None = None
         self._lookups: ThreadPoolExecutor | None = None
         self._client: httpx.AsyncClient | None = None  # (the loop's)
-        self._resolved: dict[
-            tuple[str, int], tuple[str | None, float]
-        ] = {}  # (the loop's) → (address, until)
+        # (the loop's) (host, port) → (address, until); None: left to the proxy
+        self._resolved: dict[tuple[str, int], tuple[str | None, float]] = {}
         self._in_flight: dict[int, str] = {}  # delivery id → endpoint id (the sender's thread only)
         self._futures: dict[int, concurrent.futures.Future[Attempt]] = {}
         self._done: queue.SimpleQueue[tuple[Any, Attempt]] = queue.SimpleQueue()
