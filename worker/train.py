@@ -298,6 +298,22 @@ def _every(interval: int | None, step: int) -> bool:
     return interval is not None and step % interval == 0
 
 
+def out_of_memory(error: BaseException) -> str | None:
+    """XLA's out-of-memory error (the accelerators' memory: HBM on a TPU, the host's on CPU), at compile
+    time or run time, as a sentence saying what to change; None for any other error."""
+    text = str(error)
+    if not isinstance(error, jax.errors.JaxRuntimeError) or not text.startswith("RESOURCE_EXHAUSTED"):
+        return None
+    if "memory" not in text.lower():
+        return None
+    first = text.splitlines()[0][:300]
+    return (
+        f"The job does not fit in the accelerators' memory ({first}). Raise "
+        "hyperparameters.gradient_accumulation_steps (the same batch in smaller pieces), lower batch_size "
+        "or max_seq_len, fine-tune with LoRA (method.type lora), or give it more chips (a bigger topology)."
+    )
+
+
 class StopSignals:
     """While installed, SIGTERM (and Ctrl-C) asks the run to stop after the current step with a checkpoint."""
 
@@ -330,7 +346,15 @@ def run(config: WorkerConfig, reporter: Reporter, options: RunOptions | None = N
         code, message, step, exit_code = "loss_not_finite", f"{error}; {advice}", error.step, EXIT_FAILED
     except Exception as error:
         log.exception("the run failed")
-        code, message, step, exit_code = "internal_error", f"{type(error).__name__}: {error}", 0, EXIT_FAILED
+        if (too_big := out_of_memory(error)) is not None:  # (the job's settings: run again, it fails again)
+            code, message, step, exit_code = "out_of_memory", too_big, 0, EXIT_BAD_INPUT
+        else:
+            code, message, step, exit_code = (
+                "internal_error",
+                f"{type(error).__name__}: {error}",
+                0,
+                EXIT_FAILED,
+            )
     log.error("%s: %s", code, message)
     reporter.send(ErrorReport(step=step, code=code, message=message[:4000]))
     return exit_code

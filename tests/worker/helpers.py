@@ -93,14 +93,28 @@ def free_port() -> int:
 
 
 def start_worker(
-    config: WorkerConfig, workdir: Path, *args: str, env: dict[str, str] | None = None, name: str = "worker"
+    config: WorkerConfig,
+    workdir: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    name: str = "worker",
+    memory_gib: float | None = None,
 ) -> subprocess.Popen[str]:
-    """`python -m worker --config ...` in float32; stdout (the JSON reports) is a pipe, stderr a file."""
+    """`python -m worker --config ...` in float32; stdout (the JSON reports) is a pipe, stderr a file.
+    `memory_gib`: the most memory the process may map (RLIMIT_AS), as an accelerator has no more."""
     path = workdir / f"{name}.json"
     path.write_text(config.model_dump_json())
     stderr = (workdir / f"{name}.log").open("w")
+    start = ["-m", "worker"]
+    if memory_gib is not None:
+        most = int(memory_gib * 2**30)
+        start = [
+            "-c",
+            f"import resource, runpy; resource.setrlimit(resource.RLIMIT_AS, ({most}, {most})); "
+            "runpy.run_module('worker', run_name='__main__', alter_sys=True)",
+        ]
     return subprocess.Popen(
-        [sys.executable, "-m", "worker", "--config", str(path), "--compute-dtype", "float32", *args],
+        [sys.executable, *start, "--config", str(path), "--compute-dtype", "float32", *args],
         cwd=REPO_ROOT,
         env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,

@@ -11,7 +11,15 @@ import optax
 import pytest
 from gemma import gm
 
-from tests.worker.helpers import TEST_OPTIONS, Recorder, compile_cache, losses, tiny_config  # noqa: F401
+from tests.worker.helpers import (  # noqa: F401
+    TEST_OPTIONS,
+    Recorder,
+    compile_cache,
+    losses,
+    parse_reports,
+    start_worker,
+    tiny_config,
+)
 from worker import model as gemma
 from worker import train
 from worker.checkpoint import export_params
@@ -234,6 +242,27 @@ def test_bad_data_fails_before_compiling(tmp_path: Path, tiny_tokenizer_path: Pa
     (error,) = recorder.of_kind("error")
     assert error.code == "dataset_not_found" and "missing.txt" in error.message
     assert not [s for s in recorder.of_kind("status") if s.phase == "compiling"]
+
+
+@pytest.mark.slow
+def test_a_job_too_big_for_the_memory_fails_at_once_saying_what_to_change(
+    tmp_path: Path, story_corpus: Path, tiny_tokenizer_path: Path
+) -> None:
+    """Rows of 32,768 tokens: the tiny model's attention needs some 120 GB, past the 8 GiB the worker may
+    map here (as an accelerator's memory is all there is). XLA's RESOURCE_EXHAUSTED is the job's settings,
+    not a fault: the "bad input" exit (a JobSet fails at once, not restarted into the same error) and an
+    error report that says what to change."""
+    config = tiny_config(
+        tmp_path / "out", story_corpus, tiny_tokenizer_path, max_seq_len=32_768, batch_size=1, max_steps=2
+    )
+    worker = start_worker(config, tmp_path, memory_gib=8)
+    stdout, _ = worker.communicate(timeout=240)
+    assert worker.returncode == EXIT_BAD_INPUT, (tmp_path / "worker.log").read_text()[-2000:]
+    (error,) = [report for report in parse_reports(stdout) if report["kind"] == "error"]
+    assert error["code"] == "out_of_memory", error
+    assert error["message"].startswith("The job does not fit in the accelerators' memory (RESOURCE_EXHAUSTED")
+    assert "gradient_accumulation_steps" in error["message"]
+    assert train.out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Out of memory")) is None  # (XLA's only)
 
 
 def test_a_pause_from_the_api_stops_with_a_checkpoint_the_next_run_goes_on_from(
