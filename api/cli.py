@@ -110,6 +110,8 @@ def _print_job(job: dict[str, Any]) -> None:
         print(f"  {line}")
     if line := usage_line(job):
         print(f"  {line}")
+    if line := data_line(job):
+        print(f"  {line}")
     print(f"  output: {job['output_uri']}")
     if job.get("checkpoint_uri"):
         print(f"  latest checkpoint: {job['checkpoint_uri']}")
@@ -132,6 +134,22 @@ def usage_line(job: dict[str, Any]) -> str | None:
     return (
         f"held {chips} {what} for {_duration(usage['held_seconds'])}: {usage['chip_hours']:,.4g} chip-hours"
     )
+
+
+def data_line(job: dict[str, Any]) -> str | None:
+    """What its data came to, once the worker packed it: "data: 380 documents, 51,234 tokens in 790 rows
+    of 64 (0.2% padding), 98 steps an epoch; validation 20 documents"."""
+    data = job.get("data_stats")
+    if not data:
+        return None
+    line = (
+        f"data: {data['documents']:,} documents, {data['tokens']:,} tokens in {data['rows']:,} rows of "
+        f"{data['row_tokens']} ({data['pad_fraction']:.1%} padding), "
+        f"{data['steps_per_epoch']:,} steps an epoch"
+    )
+    if data.get("validation_documents") is not None:
+        line += f"; validation {data['validation_documents']:,} documents"
+    return line
 
 
 def _parse_value(text: str) -> Any:

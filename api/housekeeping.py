@@ -10,7 +10,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import delete
 from sqlalchemy.engine import Engine
-from sqlmodel import col, select
+from sqlmodel import Session, col, select
 
 from api.db import session_scope
 from api.models import AuditEvent, IdempotencyKey, utcnow
@@ -20,6 +20,15 @@ EVERY_SECONDS = 3600.0
 BATCH = 10_000
 
 
+def _commit_if(session: Session, deleted: int) -> None:
+    """Commit what was deleted; nothing deleted, no commit (an hourly pass of a quiet server writes
+    nothing)."""
+    if deleted:
+        session.commit()
+    else:
+        session.rollback()
+
+
 def prune(engine: Engine, settings: Settings, now: datetime | None = None) -> dict[str, int]:
     """Delete what is past its time; how many rows of each table went."""
     now = now or utcnow()
@@ -27,8 +36,8 @@ def prune(engine: Engine, settings: Settings, now: datetime | None = None) -> di
     with session_scope(engine) as session:
         keys_before = now - timedelta(hours=settings.idempotency_key_hours)
         result = session.execute(delete(IdempotencyKey).where(col(IdempotencyKey.created_at) < keys_before))
-        session.commit()
         pruned["idempotency_keys"] = result.rowcount  # type: ignore[attr-defined]
+        _commit_if(session, result.rowcount)  # type: ignore[attr-defined]
         if settings.audit_retention_days is None:
             return pruned
         audit_before = now - timedelta(days=settings.audit_retention_days)
@@ -38,7 +47,7 @@ def prune(engine: Engine, settings: Settings, now: datetime | None = None) -> di
                 select(AuditEvent.id).where(col(AuditEvent.at) < audit_before).order_by(col(AuditEvent.id))
             )
             result = session.execute(delete(AuditEvent).where(col(AuditEvent.id).in_(oldest.limit(BATCH))))
-            session.commit()
             pruned["audit_events"] += result.rowcount  # type: ignore[attr-defined]
+            _commit_if(session, result.rowcount)  # type: ignore[attr-defined]
             if result.rowcount < BATCH:  # type: ignore[attr-defined]
                 return pruned

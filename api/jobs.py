@@ -37,6 +37,8 @@ from api.validation import check_spec
 from worker.config import JobSpec, for_tenant
 from worker.protocol import (
     CheckpointReport,
+    DataFigures,
+    DataReport,
     ErrorReport,
     EvalReport,
     MetricsReport,
@@ -79,7 +81,7 @@ JOB_COLUMNS = (
     *("id", "tenant", "name", "status", "status_message", "model", "method", "executor", "spec"),
     *("created_at", "started_at", "finished_at", "step", "total_steps", "epoch", "eta_seconds", "loss"),
     *("eval_loss", "learning_rate", "tokens_per_second", "trained_tokens", "restarts", "preemptions"),
-    *("admitted_at", "held_seconds", "pauses", "retries"),
+    *("admitted_at", "held_seconds", "pauses", "retries", "data_stats"),
     *("error_code", "error_message", "output_uri", "checkpoint_uri"),
 )
 JobRow = namedtuple("JobRow", JOB_COLUMNS)  # type: ignore[misc]
@@ -127,6 +129,7 @@ class NewJob:
             f'"started_at":null,"finished_at":null,"progress":{{"step":{row["step"]},"total_steps":null,'
             '"epoch":null,"fraction":null,"eta_seconds":null},"metrics":{"loss":null,"eval_loss":null,'
             f'"learning_rate":null,"tokens_per_second":null}},"trained_tokens":{row["trained_tokens"]},'
+            '"data_stats":null,'
             f'"restarts":{row["restarts"]},"preemptions":{row["preemptions"]},"pauses":{row["pauses"]},'
             f'"retries":{row["retries"]},'
             f'"usage":{{"chips":{tpu.chips_of(self.spec.resources, row["executor"])},'
@@ -1092,6 +1095,19 @@ def _event_for(report: Any) -> tuple[str, str, str]:
             return "error", "error", f"{report.code}: {report.message}"
         case WarningReport():
             return "warning", "warn", report.message
+        case DataReport():
+            validation = ""
+            if report.validation_documents is not None:
+                validation = f"; validation: {report.validation_documents:,} documents"
+                validation += f", {report.validation_tokens or 0:,} tokens"
+            return (
+                "data",
+                "info",
+                f"Data: {report.documents:,} documents, {report.tokens:,} tokens ({report.target_tokens:,} "
+                f"with loss) packed into {report.rows:,} rows of {report.row_tokens} tokens "
+                f"({report.pad_fraction:.1%} padding); {report.steps_per_epoch:,} steps an epoch, "
+                f"{report.total_steps:,} in all{validation}.",
+            )
         case StatusReport():
             return "status", "info", report.message
     raise AssertionError(report)
@@ -1194,6 +1210,8 @@ def _aggregate(job: Job, reports: list[Any]) -> dict[str, Any]:
                 values["error_message"] = report.message
             case StatusReport():
                 values["status_message"] = report.message
+            case DataReport():
+                values["data_stats"] = report.model_dump(mode="json", include=set(DataFigures.model_fields))
     return values
 
 

@@ -82,6 +82,8 @@ class Job(SQLModel, table=True):
     # Times it was resumed after it failed (POST /jobs/{id}/resume); like a paused one, api.tenants.spent
     # reads its moves (the time it lay failed held nothing).
     retries: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    # What the worker reported its data came to (worker.protocol.DataFigures), once it packed it.
+    data_stats: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
     # The seconds it held its chips before it last let them go (preempted, held for quota by Kueue, paused):
     # with the time since `admitted_at`, what it has held in all (its `usage` in GET /jobs/{id}).
     held_seconds: float = Field(default=0.0, sa_column_kwargs={"server_default": "0"})

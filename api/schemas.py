@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from typing import Any
 
@@ -10,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from api import tpu
 from api.models import Job, JobEvent, as_utc, job_spec, utcnow
 from worker.config import JobSpec
+from worker.protocol import DataFigures
 
 EXAMPLE_JOB: dict[str, Any] = {
     "name": "stories-lora",
@@ -127,6 +129,10 @@ class JobPublic(BaseModel):
     progress: JobProgress
     metrics: JobMetrics
     trained_tokens: int
+    data_stats: DataFigures | None = Field(
+        description="What its training data came to, as its worker read, tokenized and packed it (null "
+        "until then): documents, tokens, packed rows, padding, steps an epoch and in all."
+    )
     restarts: int = Field(description="How often its workers were restarted (after a failure or preemption).")
     preemptions: int = Field(
         description="How often the platform (Kueue) stopped it while running to give its chips to other "
@@ -183,6 +189,7 @@ class JobPublic(BaseModel):
                 tokens_per_second=job.tokens_per_second,
             ),
             trained_tokens=job.trained_tokens,
+            data_stats=_data_stats(job.data_stats),
             restarts=job.restarts,
             preemptions=job.preemptions,
             pauses=job.pauses,
@@ -198,6 +205,13 @@ class JobPublic(BaseModel):
             metadata=spec.metadata,
             spec=spec,
         )
+
+
+def _data_stats(stored: dict[str, Any] | str | None) -> DataFigures | None:
+    """The job's data figures as stored (SQLite's reader gives JSON text)."""
+    if stored is None:
+        return None
+    return DataFigures.model_construct(**(json.loads(stored) if isinstance(stored, str) else stored))
 
 
 def held_seconds(job: Job) -> float:

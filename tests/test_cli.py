@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from sqlmodel import Session, select
 
-from api.cli import interruptions_line, main, progress_line, queue_place, usage_line
+from api.cli import data_line, interruptions_line, main, progress_line, queue_place, usage_line
 from api.jobs import transition
 from api.models import Job, utcnow
 from api.settings import Settings
@@ -610,3 +610,16 @@ def test_tenants_commands(live_api, dataset: Path, capsys) -> None:  # type: ign
     ]
     code, _, err = run(api, capsys, *member, "usage", "--tenant", "ops")
     assert code == 3 and "(admin_only)" in err
+
+
+def test_data_line() -> None:
+    assert (
+        data_line({"data_stats": None}) is None and data_line({}) is None
+    )  # (not packed yet; an older server)
+    figures = {"documents": 380, "tokens": 51_234, "rows": 790, "row_tokens": 64, "pad_fraction": 0.0018}
+    figures.update(steps_per_epoch=98, validation_documents=20)
+    assert data_line({"data_stats": figures}) == (
+        "data: 380 documents, 51,234 tokens in 790 rows of 64 (0.2% padding), 98 steps an epoch; "
+        "validation 20 documents"
+    )
+    assert data_line({"data_stats": {**figures, "validation_documents": None}}).endswith("98 steps an epoch")  # type: ignore[union-attr]

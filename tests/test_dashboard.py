@@ -235,6 +235,19 @@ def test_job_page_shows_history_updates_live_and_cancels(
         job_id,
         token,
         [
+            {
+                "kind": "data",
+                "documents": 3800,
+                "tokens": 512_340,
+                "target_tokens": 508_540,
+                "rows": 7900,
+                "row_tokens": 64,
+                "pad_fraction": 0.0018,
+                "steps_per_epoch": 987,
+                "total_steps": 20,
+                "validation_documents": 200,
+                "validation_tokens": 27_000,
+            },
             {"kind": "eval", "step": 5, "eval_loss": 2.61},
             {"kind": "eval", "step": 10, "eval_loss": 1.93},
             {"kind": "checkpoint", "step": 5, "uri": "/out/ckpt/5", "loss": 2.45, "eval_loss": 2.61},
@@ -272,6 +285,11 @@ def test_job_page_shows_history_updates_live_and_cancels(
     expect(page.locator("#progress-text")).to_have_text("Step 10 of 20 (50%) · about 5m left")
     assert page.locator("#progress").get_attribute("value") == "0.5"
     expect(page.locator("#f-tps")).to_have_text("1,234")
+    expect(page.locator("#f-data")).to_have_text(
+        "3,800 documents, 512,340 tokens in 7,900 rows of 64 (0.2% padding); 987 steps an epoch; "
+        "validation 200 documents"
+    )
+    expect(page.locator('#events li[data-type="data"]')).to_contain_text("Data: 3,800 documents")
     expect(page.locator("#f-restarts")).to_have_text("0")
     expect(page.locator("#f-preemptions")).to_have_text("1")
     # Two hours from its launch to its preemption; and since its admission, a few seconds and counting.

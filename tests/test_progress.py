@@ -245,3 +245,36 @@ def test_status_messages_at_one_step_each_count(client: TestClient, dataset: Pat
         [{"kind": "status", "key": "compiling-2", "phase": "compiling", "message": "Compiling."}],
     )
     assert client.get(f"/jobs/{job_id}").json()["status_message"] == "Compiling."
+
+
+DATA = {
+    "kind": "data",
+    "documents": 380,
+    "tokens": 51_234,
+    "target_tokens": 50_100,
+    "rows": 790,
+    "row_tokens": 64,
+    "pad_fraction": 0.0018,
+    "steps_per_epoch": 98,
+    "total_steps": 12,
+    "validation_documents": 20,
+    "validation_tokens": 2_700,
+}
+
+
+def test_what_the_data_came_to_shows_on_the_job(client: TestClient, dataset: Path) -> None:
+    job_id, token = started_job(client, dataset)
+    assert client.get(f"/jobs/{job_id}").json()["data_stats"] is None
+    assert post(client, job_id, token, [DATA]).json()["accepted"] == 1
+    figures = {name: value for name, value in DATA.items() if name != "kind"}
+    assert client.get(f"/jobs/{job_id}").json()["data_stats"] == figures
+    assert client.get("/jobs").json()["data"][0]["data_stats"] == figures
+    [event] = client.get(f"/jobs/{job_id}/events", params={"type": "data"}).json()["data"]
+    assert event["message"] == (
+        "Data: 380 documents, 51,234 tokens (50,100 with loss) packed into 790 rows of 64 tokens (0.2% "
+        "padding); 98 steps an epoch, 12 in all; validation: 20 documents, 2,700 tokens."
+    )
+    # A run after a restart packs the same data and says so again: kept once.
+    assert post(client, job_id, token, [DATA]).json()["duplicates"] == 1
+    refused = post(client, job_id, token, [{**DATA, "pad_fraction": 1.5}])
+    assert refused.status_code == 422, refused.text

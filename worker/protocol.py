@@ -119,6 +119,33 @@ class ErrorReport(_Report):
     message: Annotated[Reported, Field(max_length=4000)]
 
 
+class DataFigures(BaseModel):
+    """What a job's data came to once read, tokenized and packed."""
+
+    documents: Annotated[int, Field(ge=0, le=MAX_COUNT)] = Field(description="Training documents.")
+    tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] = Field(
+        description="Their tokens, each document's bos and eos included."
+    )
+    target_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] = Field(
+        description="Those that carry loss (a chat's prompts do not, unless trained on)."
+    )
+    rows: Annotated[int, Field(ge=0, le=MAX_COUNT)] = Field(
+        description="The rows of `row_tokens` they were packed into; a batch takes `batch_size` of them."
+    )
+    row_tokens: Annotated[int, Field(ge=1, le=MAX_COUNT)] = Field(description="`max_seq_len`.")
+    pad_fraction: Annotated[float, Field(ge=0, le=1)] = Field(description="Of the rows' tokens, padding.")
+    steps_per_epoch: Annotated[int, Field(ge=0, le=MAX_COUNT)]
+    total_steps: Annotated[int, Field(ge=0, le=MAX_COUNT)]
+    validation_documents: Annotated[int, Field(ge=0, le=MAX_COUNT)] | None = None
+    validation_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] | None = None
+
+
+class DataReport(_Report, DataFigures):
+    """The job's DataFigures (each run sends them at step 0, once its data is packed)."""
+
+    kind: Literal["data"] = "data"
+
+
 class WarningReport(_Report):
     kind: Literal["warning"] = "warning"
     message: Annotated[Reported, Field(max_length=2000)]
@@ -132,7 +159,8 @@ Report = Annotated[
     | SampleReport
     | ResultReport
     | ErrorReport
-    | WarningReport,
+    | WarningReport
+    | DataReport,
     Field(discriminator="kind"),
 ]
 

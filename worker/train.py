@@ -53,6 +53,7 @@ from worker.data import (
 )
 from worker.protocol import (
     CheckpointReport,
+    DataReport,
     ErrorReport,
     EvalReport,
     MetricsReport,
@@ -385,6 +386,25 @@ class _Run:
         key = f"{phase or 'note'}-{self.attempt}-{self.status_count}"
         self.reporter.send(StatusReport(step=step, phase=phase, message=message, key=key))
 
+    def _report_data(self, steps_per_epoch: int) -> None:
+        """What the data came to, summed over the processes (each read and packed its own shards)."""
+        train, held_out = self.train_data.stats, self.eval_data.stats if self.eval_data else None
+        rows, pad = agree(train.rows, np.sum), agree(train.pad_tokens, np.sum)
+        self.reporter.send(
+            DataReport(
+                documents=agree(train.documents, np.sum),
+                tokens=agree(train.tokens, np.sum),
+                target_tokens=agree(train.target_tokens, np.sum),
+                rows=rows,
+                row_tokens=self.hyper.max_seq_len,
+                pad_fraction=pad / (rows * train.row_len) if rows else 0.0,
+                steps_per_epoch=steps_per_epoch,
+                total_steps=self.total_steps,
+                validation_documents=agree(held_out.documents, np.sum) if held_out else None,
+                validation_tokens=agree(held_out.tokens, np.sum) if held_out else None,
+            )
+        )
+
     def execute(self) -> int:
         spec, hyper = self.spec, self.hyper
         self.status("loading the tokenizer and data", "loading")
@@ -395,6 +415,7 @@ class _Run:
         epoch_steps = hyper.epochs * steps_per_epoch
         self.total_steps = epoch_steps if hyper.max_steps is None else min(hyper.max_steps, epoch_steps)
         self.eval_batches = agree(self.eval_data.num_batches, np.max) if self.eval_data else 0
+        self._report_data(steps_per_epoch)
 
         self.mesh = make_mesh(spec.resources.slices)
         devices = self.mesh.size

@@ -69,6 +69,9 @@ def test_real_worker_job_succeeds_with_history_and_checkpoints(  # type: ignore[
     assert job["status"] == "succeeded", job
     assert job["progress"]["step"] == 12 and job["progress"]["total_steps"] == 12
     assert job["trained_tokens"] > 0 and job["metrics"]["eval_loss"] is not None
+    data = job["data_stats"]  # (the 400 stories, 5% held out, and what they packed into)
+    assert data["documents"] == 380 and data["validation_documents"] == 20 and data["total_steps"] == 12
+    assert data["row_tokens"] == 64 and data["steps_per_epoch"] == data["rows"] // 8
     with api.client() as http:
         points = http.get(f"/jobs/{job_id}/metrics").json()["data"]
         checkpoints = http.get(f"/jobs/{job_id}/checkpoints").json()["data"]

@@ -93,6 +93,25 @@ def test_full_fine_tune_lowers_the_loss_and_exports(full_run: tuple[Path, Record
     assert params["embedder"]["input_embedding"].shape == (1000, 128)
 
 
+def test_what_the_data_came_to_is_reported(
+    full_run: tuple[Path, Recorder], story_corpus: Path, tiny_tokenizer: Tokenizer
+) -> None:
+    """Once packed, the data's figures go to the API: each story (5% held out for validation) with its
+    tokens, bos and eos included; the rows they fill, their padding; the steps they make."""
+    _, recorder = full_run
+    (data,) = recorder.of_kind("data")
+    stories = read_documents(str(story_corpus))
+    assert data.documents + data.validation_documents == len(stories) and data.validation_documents == 20
+    tokens = sum(len(tiny_tokenizer.encode(str(story))) + 2 for story in stories)
+    assert data.tokens + data.validation_tokens == tokens
+    # Every token a target but each row piece's first (a story split over rows is more than one piece).
+    assert data.tokens - data.documents - data.rows <= data.target_tokens < data.tokens
+    assert data.row_tokens == SEQ and data.rows * (SEQ + 1) >= data.tokens
+    # (a piece that goes on in the next row starts with the token the last ended on: fewer pad slots)
+    assert 0 < data.pad_fraction <= 1 - data.tokens / (data.rows * (SEQ + 1))
+    assert data.steps_per_epoch == data.rows // 8 and data.total_steps == 12
+
+
 def test_lora_on_a_trained_base_trains_only_the_adapter(
     tmp_path: Path, story_corpus: Path, tiny_tokenizer_path: Path, full_run: tuple[Path, Recorder]
 ) -> None:
