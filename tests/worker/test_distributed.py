@@ -84,3 +84,10 @@ def test_two_processes_reproduce_the_single_process_losses(
         rtol=1e-4,
     )
     assert (tmp_path / "pair" / "final" / "params").is_dir()
+    # Each process packed its own shard: what process 0 reports is the two shards' sum.
+    (pair_data,) = [report for report in parse_reports(outputs[0]) if report["kind"] == "data"]
+    (single_data,) = single.of_kind("data")
+    assert {**pair_data, "time": None} == {
+        **single_data.model_dump(mode="json", exclude_none=True),
+        "time": None,
+    }
