@@ -83,7 +83,11 @@ class Job(SQLModel, table=True):
     # reads its moves (the time it lay failed held nothing).
     retries: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
     # What the worker reported its data came to (worker.protocol.DataFigures), once it packed it.
-    data_stats: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    # (None as SQL NULL, not JSON's null: a row copied with its None, or a Job object inserted, reads back
+    # as NULL on both databases)
+    data_stats: dict[str, Any] | None = Field(
+        default=None, sa_column=Column(JSON(none_as_null=True), nullable=True)
+    )
     # The seconds it held its chips before it last let them go (preempted, held for quota by Kueue, paused):
     # with the time since `admitted_at`, what it has held in all (its `usage` in GET /jobs/{id}).
     held_seconds: float = Field(default=0.0, sa_column_kwargs={"server_default": "0"})

@@ -208,10 +208,10 @@ class JobPublic(BaseModel):
 
 
 def _data_stats(stored: dict[str, Any] | str | None) -> DataFigures | None:
-    """The job's data figures as stored (SQLite's reader gives JSON text)."""
-    if stored is None:
-        return None
-    return DataFigures.model_construct(**(json.loads(stored) if isinstance(stored, str) else stored))
+    """The job's data figures as stored (SQLite's reader gives JSON text; JSON's null, as a row written
+    before the column said None is NULL, is none)."""
+    figures = json.loads(stored) if isinstance(stored, str) else stored
+    return DataFigures.model_construct(**figures) if figures else None
 
 
 def held_seconds(job: Job) -> float:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi.testclient import TestClient
-from sqlmodel import Session, select
+from sqlalchemy import JSON, update
+from sqlmodel import Session, col, select
 
 from api.jobs import new_job_token, transition
 from api.models import Job
@@ -278,3 +279,15 @@ def test_what_the_data_came_to_shows_on_the_job(client: TestClient, dataset: Pat
     assert post(client, job_id, token, [DATA]).json()["duplicates"] == 1
     refused = post(client, job_id, token, [{**DATA, "pad_fraction": 1.5}])
     assert refused.status_code == 422, refused.text
+
+
+def test_a_job_whose_data_figures_are_json_null_reads_as_none(client: TestClient, dataset: Path) -> None:
+    """JSON's null in `data_stats` (a row copied with its None before the column wrote None as NULL, as
+    bench/api_load.py's bulk insert did: its job list was a 500) reads as no figures."""
+    job_id, _ = started_job(client, dataset)
+    with Session(client.app.state.engine) as session:  # type: ignore[attr-defined]
+        session.execute(update(Job).where(col(Job.id) == job_id).values(data_stats=JSON.NULL))
+        session.commit()
+    assert client.get(f"/jobs/{job_id}").json()["data_stats"] is None
+    listed = client.get("/jobs")
+    assert listed.status_code == 200 and listed.json()["data"][0]["data_stats"] is None
