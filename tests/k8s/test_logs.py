@@ -6,6 +6,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,10 @@ def logs(api: LiveApi, job_id: str, **params: Any) -> dict[str, Any]:
     return dict(answer.json())
 
 
+def when(saved: dict[str, Any]) -> datetime:
+    return datetime.fromisoformat(saved["saved_at"])
+
+
 def test_a_runs_log_is_saved_as_it_ends_and_served_once_its_pods_are_gone(
     k8s_api: Callable[..., LiveApi],
     cluster: Cluster,
@@ -224,7 +229,7 @@ def test_a_runs_log_is_saved_as_it_ends_and_served_once_its_pods_are_gone(
     assert cluster.jobset(job_id) is None
     paused_run = logs(api, job_id)
     assert paused_run["lines"] == ["resumed at step 2", "step 3"] and paused_run["truncated"] is False
-    assert paused_run["saved_at"] > failed_run["saved_at"]
+    assert when(paused_run) > when(failed_run)
     assert logs(api, job_id, previous="true") == paused_run
 
     with api.client() as http:
@@ -237,7 +242,7 @@ def test_a_runs_log_is_saved_as_it_ends_and_served_once_its_pods_are_gone(
     for pod in cluster.pods(job_id):
         fake_k8s.remove("pods", pod["metadata"]["name"], NAMESPACE)
     last = logs(api, job_id)
-    assert last["lines"] == ["done"] and last["saved_at"] > paused_run["saved_at"]
+    assert last["lines"] == ["done"] and when(last) > when(paused_run)
     assert main(["--api-url", api.url, "logs", job_id, "--previous"]) == 0
     out, err = capsys.readouterr()
     assert out == "done\n" and err.startswith("(saved as the run ended, ")
