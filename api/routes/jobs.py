@@ -396,8 +396,8 @@ def list_events(
         list[str] | None,
         Query(
             max_length=16,
-            description="Only these types: status, launch, metrics, eval, checkpoint, sample, result, "
-            "restart, warning, error.",
+            description="Only these types: status, launch, data, metrics, eval, checkpoint, sample, "
+            "result, restart, warning, error.",
         ),
     ] = None,
     follow: Annotated[
