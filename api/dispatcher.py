@@ -20,7 +20,7 @@ from api import jobs as service
 from api.datasets import DatasetUnavailable, StorageUnreachable, check_dataset
 from api.db import session_scope
 from api.errors import ApiError
-from api.executors import Discards, Executor, ExecutorUnavailable, Observation
+from api.executors import Discards, Executor, ExecutorUnavailable, KeepsCrashLogs, Observation
 from api.models import Job, Tenant, as_utc, utcnow
 from api.observability import DispatcherStats, job_id_var
 from api.settings import Settings
@@ -58,6 +58,13 @@ def _over_budget(over: tuple[float, int]) -> str:
     if budget == 0:
         return "your team may use no chip-hours now (budget 0)"
     return f"your team's jobs held {held:,.0f} of its {budget:,} chip-hours this month"
+
+
+def _tail(lines: list[str]) -> str:
+    """A log's last lines in a message: the last 5 that say something, on one line (1,500 characters at
+    most)."""
+    said = [line.strip() for line in lines if line.strip()]
+    return " | ".join(said[-5:])[-1500:]
 
 
 def _own_stall_minutes(job: Job) -> float | None:
@@ -666,13 +673,22 @@ class Dispatcher:
     def _restarted(self, session: Session, job: Job, seen: Observation, restarts: int) -> None:
         """The platform restarted the workers itself (a JobSet after a failure or a preemption): `restarts`
         in all, with those of the job's runs before this one."""
+        seen_before = job.restarts - self._restarts_before(job)  # (the platform's, of this run)
         job.restarts = restarts
         cause = f": {seen.restart_reason}" if seen.restart_reason else ""
         job.status_message = (
             f"The workers restarted (restart {job.restarts}){cause}; they resume from the last checkpoint."
         )
         session.add(job)
-        service.add_event(session, job, "restart", job.status_message, data={"restarts": job.restarts})
+        message = job.status_message
+        data: dict[str, Any] = {"restarts": job.restarts}
+        crashes = self.executor if isinstance(self.executor, KeepsCrashLogs) else None
+        crash = crashes.crash_log(job, seen_before) if crashes is not None else None
+        if crash is not None:  # (a worker that crashed: the end of its log, gone with its pod)
+            pod, lines = crash
+            message += f" Last log lines of pod {pod}: {_tail(lines)}"
+            data.update(pod=pod, log_tail=lines)
+        service.add_event(session, job, "restart", message, data=data)
         session.commit()
 
     def _fail(self, session: Session, job: Job, exit_code: int | None, reason: str | None = None) -> None:
@@ -684,7 +700,7 @@ class Dispatcher:
         else:
             code = "worker_failed"
             lines, _ = self.executor.logs(job, 5)
-            tail = " | ".join(line.strip() for line in lines if line.strip())[-1500:]
+            tail = _tail(lines)
             message = (reason or f"The worker exited with status {exit_code}.") + (
                 f" Last log lines: {tail}" if tail else ""
             )

@@ -91,6 +91,15 @@ class Discards(Protocol):
 
 
 @runtime_checkable
+class KeepsCrashLogs(Protocol):
+    def crash_log(self, job: Job, since_attempt: int) -> tuple[str, list[str]] | None:
+        """The end of the log of the job's worker that crashed last (pod, lines), read as it crashed, where
+        the platform's restart deletes it; once, and only if it crashed in restart attempt `since_attempt`
+        or later (one read too late for its own restart is not told of the next)."""
+        ...
+
+
+@runtime_checkable
 class Closeable(Protocol):
     def close(self) -> None:
         """Stop background work (watches) and release connections."""

@@ -34,6 +34,7 @@ SELECTOR = f"{render.LABEL_MANAGED_BY}={render.MANAGED_BY}"
 RETRIES = 4
 RETRY_DELAY_SECONDS = 0.2
 WATCH_SECONDS = 60.0  # one watch request's length; the next resumes from its resourceVersion
+CRASH_LOG_LINES = 20  # of a crashed worker's log, read before its JobSet's restart deletes it
 FOLLOW_READ_SECONDS = 3600.0  # a followed log silent this long ends its stream
 _RETRIED_STATUSES = frozenset({0, 429, 500, 502, 503, 504})
 _IMAGE_PULL = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
@@ -400,6 +401,14 @@ def pod_failure(pod: dict[str, Any]) -> str | None:
     return f"pod {name} failed ({reason})"
 
 
+def crashed(pod: dict[str, Any]) -> bool:
+    """Whether the pod's worker failed on its own: not stopped (preempted, drained), nor done with the
+    job's input (bad input fails the JobSet: the job's end saves its log)."""
+    if pod_failure(pod) is None or _conditions(pod).get(render.DISRUPTION_TARGET) is not None:
+        return False
+    return _worker_exit_code(pod) not in (None, EXIT_OK, EXIT_PREEMPTED, EXIT_BAD_INPUT)
+
+
 def stuck_reason(pods: list[dict[str, Any]], shape: str) -> str | None:
     """Why pods cannot start (unschedulable, image pull, bad config, crash loop), or None."""
     for pod in sorted(pods, key=_name):
@@ -516,6 +525,12 @@ class KubernetesExecutor:
         self.settings = settings
         self.kube = kube or KubeClient(settings)
         self._failures: dict[str, str] = {}
+        # The end of the log of each job's worker that crashed last, read as it crashed: a JobSet restarts
+        # by making all its pods anew, and their logs go with the old ones. (restart attempt, pod, lines),
+        # until the restart event takes it (crash_log); and the pods read, by uid (each is read once,
+        # however often it is seen again as it goes).
+        self._crash_logs: dict[str, tuple[int, str, list[str]]] = {}
+        self._crashes_read: dict[str, None] = {}
         self._jobsets = Informer(
             "jobsets",
             lambda: self.kube.list_jobsets(SELECTOR),
@@ -548,13 +563,42 @@ class KubernetesExecutor:
 
     def _on_jobset_event(self, kind: str, jobset: dict[str, Any]) -> None:
         if kind == "DELETED":
-            self._failures.pop((jobset["metadata"].get("labels") or {}).get(render.LABEL_JOB_ID, ""), None)
+            job_id = (jobset["metadata"].get("labels") or {}).get(render.LABEL_JOB_ID, "")
+            self._failures.pop(job_id, None)
+            self._crash_logs.pop(job_id, None)
 
-    def _on_pod_event(self, _kind: str, pod: dict[str, Any]) -> None:
+    def _on_pod_event(self, kind: str, pod: dict[str, Any]) -> None:
         failure = pod_failure(pod)
         job_id = (pod["metadata"].get("labels") or {}).get(render.LABEL_JOB_ID)
         if failure is not None and job_id:
             self._failures[job_id] = failure
+            # (seen to crash now, not listed crashed long ago: an API server restart reads no old pods)
+            if kind == "MODIFIED" and crashed(pod):
+                self._read_crash_log(job_id, pod)
+
+    def _read_crash_log(self, job_id: str, pod: dict[str, Any]) -> None:
+        """The end of a crashed worker's log, read now, on the watch's thread: its JobSet is about to
+        delete it. Once a pod; best effort (it may be gone already)."""
+        uid = pod["metadata"].get("uid") or _name(pod)
+        if uid in self._crashes_read:
+            return
+        if len(self._crashes_read) >= 1024:
+            del self._crashes_read[next(iter(self._crashes_read))]  # the oldest
+        self._crashes_read[uid] = None
+        try:
+            text = self.kube.read_pod_log(_name(pod), render.WORKER_CONTAINER, CRASH_LOG_LINES)
+        except Exception as exc:
+            log.info("job %s: the log of crashed pod %s could not be read (%s)", job_id, _name(pod), exc)
+            return
+        if lines := text.splitlines()[-CRASH_LOG_LINES:]:
+            self._crash_logs[job_id] = (_attempt(pod)[0], _name(pod), lines)
+
+    def crash_log(self, job: Job, since_attempt: int) -> tuple[str, list[str]] | None:
+        """(api.executors.KeepsCrashLogs)"""
+        crash = self._crash_logs.pop(job.id, None)
+        if crash is None or crash[0] < since_attempt:
+            return None
+        return crash[1], crash[2]
 
     def _handle(self, jobset: dict[str, Any]) -> dict[str, Any]:
         meta = jobset["metadata"]

@@ -174,6 +174,32 @@ def test_restarts_are_counted_with_their_cause(
     assert job["status"] == "succeeded" and job["restarts"] == 2
 
 
+def test_a_crashed_workers_log_goes_in_its_restart_event(
+    k8s_api: Callable[..., LiveApi], cluster: Cluster, fake_k8s: FakeKubernetes, dataset_uri: str
+) -> None:
+    """A JobSet restarts by making all its pods anew, and the old ones' logs go with them: the end of a
+    crashed worker's log, read as it crashed, goes in the restart's event. A preemption's has none."""
+    api = k8s_api()
+    job_id = submit(api, dataset_uri)
+    running(api, cluster, job_id)
+    crashed = next(p for p in cluster.pods(job_id) if p["metadata"]["name"].endswith("-0-0-a0"))
+    name = crashed["metadata"]["name"]
+    lines = [f"step {n}" for n in range(1, 30)] + ["Traceback (most recent call last):", "KeyError: 'x'"]
+    fake_k8s.append_log(name, NAMESPACE, *lines)
+    cluster.restart(job_id, exit_code=1)
+    job = api.wait_for(job_id, lambda j: j["restarts"] == 1)
+    assert "Last log lines" not in job["status_message"]  # (the event has them)
+    [restart] = events(api, job_id, "restart")
+    assert restart["data"] == {"restarts": 1, "pod": name, "log_tail": lines[-20:]}
+    assert restart["message"].endswith(
+        f"Last log lines of pod {name}: step 27 | step 28 | step 29 | Traceback (most recent call last): | "
+        "KeyError: 'x'"
+    )
+    cluster.restart(job_id, exit_code=75)  # (stopped, a checkpoint saved: not a crash)
+    api.wait_for(job_id, lambda j: j["restarts"] == 2)
+    assert events(api, job_id, "restart")[1]["data"] == {"restarts": 2}
+
+
 def test_a_stuck_pod_says_why(k8s_api: Callable[..., LiveApi], cluster: Cluster, dataset_uri: str) -> None:
     api = k8s_api()
     job_id = submit(api, dataset_uri)
