@@ -293,12 +293,16 @@ def logs(args: argparse.Namespace) -> int:
         while args.follow:
             # Poll the tail and print what is new after the last line we printed.
             time.sleep(1.0)
-            lines = client.logs(args.job_id, tail=1000)["lines"]
+            answer = client.logs(args.job_id, tail=1000)
+            final = client.get_job(args.job_id)["status"] in FINAL_STATUSES
+            if answer.get("saved_at") and not final:
+                continue  # (between pods: the lines saved as an earlier run ended, printed before if at all)
+            lines = answer["lines"]
             start = _overlap(seen, lines)
             for line in lines[start:]:
                 print(line, flush=True)
             seen = lines
-            if client.get_job(args.job_id)["status"] in FINAL_STATUSES and start == len(lines):
+            if final and start == len(lines):
                 break
     return 0
 

@@ -23,10 +23,10 @@ from tests.k8s.test_pause import wait_deleted
 from tests.k8s.test_reconciler import FINAL, running, submit
 
 
-def process_zero(cluster: Cluster, job_id: str) -> str:
-    return next(
-        p["metadata"]["name"] for p in cluster.pods(job_id) if p["metadata"]["name"].endswith("-slice-0-0-a0")
-    )
+def process_zero(cluster: Cluster, job_id: str, attempt: int = 0) -> str:
+    """Its pod in the JobSet's restart `attempt`."""
+    name = f"-slice-0-0-a{attempt}"
+    return next(p["metadata"]["name"] for p in cluster.pods(job_id) if p["metadata"]["name"].endswith(name))
 
 
 def test_tail_and_follow_the_process_zero_log(
@@ -257,3 +257,37 @@ def test_local_logs_have_no_previous(client: TestClient, dataset: Path) -> None:
     answer = client.get(f"/jobs/{job['id']}/logs", params={"previous": "true"})
     assert answer.status_code == 400 and answer.json()["error"]["code"] == "previous_not_supported"
     assert client.get(f"/jobs/{job['id']}/logs").json()["saved_at"] is None
+
+
+def test_following_a_log_across_pods_prints_no_earlier_runs_lines(
+    k8s_api: Callable[..., LiveApi],
+    cluster: Cluster,
+    fake_k8s: FakeKubernetes,
+    dataset_uri: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`tputune logs -f` polls the log. Between pods (a JobSet's restart makes new ones, whose logs start
+    empty) the API answers with the log saved as an earlier run ended: not printed again as new lines."""
+    api = k8s_api()
+    job_id = submit(api, dataset_uri)
+    running(api, cluster, job_id)
+    fake_k8s.append_log(process_zero(cluster, job_id), NAMESPACE, "first run")
+    with api.client() as http:
+        assert http.post(f"/jobs/{job_id}/pause").json()["status"] == "pausing"
+        assert api.wait_for(job_id, lambda j: j["status"] != "pausing")["status"] == "paused"
+        assert http.post(f"/jobs/{job_id}/resume").json()["status"] == "queued"
+    running(api, cluster, job_id)
+    fake_k8s.append_log(process_zero(cluster, job_id), NAMESPACE, "second run, 1")
+    codes: list[int] = []
+    follower = threading.Thread(
+        target=lambda: codes.append(main(["--api-url", api.url, "logs", job_id, "-f"]))
+    )
+    follower.start()
+    time.sleep(1.5)
+    cluster.restart(job_id, exit_code=75)  # (new pods, their logs empty: the saved one is answered)
+    time.sleep(2.5)  # (two polls between pods)
+    fake_k8s.append_log(process_zero(cluster, job_id, attempt=1), NAMESPACE, "second run, 2")
+    cluster.complete(job_id)
+    follower.join(timeout=30)
+    assert codes == [0]
+    assert capsys.readouterr().out == "second run, 1\nsecond run, 2\n"
