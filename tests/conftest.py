@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 
 from api.main import create_app
 from api.migrate import upgrade
+from api.runner import process_start_time
 from api.settings import Settings
 
 pytest_plugins = ["tests.support.fixtures"]
@@ -186,8 +187,12 @@ def live_api(make_settings: Callable[..., Settings]) -> Iterator[Callable[..., L
 
 
 def kill_runs(jobs_dir: Path) -> None:
-    """Leave no worker behind: kill every run's process group under `jobs_dir`."""
+    """Leave no worker behind: kill every run's process group under `jobs_dir` that still runs. Its runner
+    is checked by its start time, as the executor checks it: the pid of a run that ended long ago may be
+    another test's process now (pids wrap at 32,768 here), a worker whose job then failed, killed."""
     for runner_file in jobs_dir.glob("*/runner.json"):
-        pid = json.loads(runner_file.read_text())["pid"]
+        runner = json.loads(runner_file.read_text())
+        if process_start_time(runner["pid"]) != runner.get("start_time"):
+            continue
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
+            os.killpg(runner["pid"], signal.SIGKILL)
