@@ -47,6 +47,7 @@ from worker.config import (
 from worker.data import (
     Batch,
     DataError,
+    DataStats,
     EvalData,
     TrainData,
     load_train_data,
@@ -172,6 +173,21 @@ def agree(value: int, reduce: Callable[[np.ndarray], Any]) -> int:
     if jax.process_count() == 1:
         return value
     return int(reduce(np.asarray(multihost_utils.process_allgather(np.int64(value)))))
+
+
+_SUMMED = ("documents", "tokens", "target_tokens", "rows", "pad_tokens")
+
+
+def summed(stats: DataStats) -> DataStats:
+    """This process's data figures summed over all processes (each packed its own shards), in one
+    collective."""
+    if jax.process_count() == 1:
+        return stats
+    counts = np.asarray([getattr(stats, name) for name in _SUMMED], np.int64)
+    totals = np.asarray(multihost_utils.process_allgather(counts)).sum(axis=0)
+    return dataclasses.replace(
+        stats, **{name: int(total) for name, total in zip(_SUMMED, totals, strict=True)}
+    )
 
 
 # --- Optimizer, loss and steps ----------------------------------------------------------------------------
@@ -388,20 +404,20 @@ class _Run:
 
     def _report_data(self, steps_per_epoch: int) -> None:
         """What the data came to, summed over the processes (each read and packed its own shards)."""
-        train, held_out = self.train_data.stats, self.eval_data.stats if self.eval_data else None
-        rows, pad = agree(train.rows, np.sum), agree(train.pad_tokens, np.sum)
+        train = summed(self.train_data.stats)
+        held_out = summed(self.eval_data.stats) if self.eval_data else None
         self.reporter.send(
             DataReport(
-                documents=agree(train.documents, np.sum),
-                tokens=agree(train.tokens, np.sum),
-                target_tokens=agree(train.target_tokens, np.sum),
-                rows=rows,
+                documents=train.documents,
+                tokens=train.tokens,
+                target_tokens=train.target_tokens,
+                rows=train.rows,
                 row_tokens=self.hyper.max_seq_len,
-                pad_fraction=pad / (rows * train.row_len) if rows else 0.0,
+                pad_fraction=train.pad_fraction,
                 steps_per_epoch=steps_per_epoch,
                 total_steps=self.total_steps,
-                validation_documents=agree(held_out.documents, np.sum) if held_out else None,
-                validation_tokens=agree(held_out.tokens, np.sum) if held_out else None,
+                validation_documents=held_out.documents if held_out else None,
+                validation_tokens=held_out.tokens if held_out else None,
             )
         )
 

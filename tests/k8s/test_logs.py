@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import threading
 import time
 from collections.abc import Callable
@@ -11,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from fastapi.testclient import TestClient
 
 from api import jobset as render
@@ -19,7 +19,7 @@ from api.cli import main
 from tests.conftest import LiveApi
 from tests.k8s.cluster import NAMESPACE, Cluster
 from tests.k8s.fake_apiserver import FakeKubernetes
-from tests.k8s.test_pause import wait_deleted
+from tests.k8s.test_pause import post, wait_deleted
 from tests.k8s.test_reconciler import FINAL, running, submit
 
 
@@ -179,6 +179,16 @@ def logs(api: LiveApi, job_id: str, **params: Any) -> dict[str, Any]:
     return dict(answer.json())
 
 
+def cli(api: LiveApi, *argv: str, out: io.StringIO | None = None) -> Any:
+    """`tputune ...` against the API: its exit code (with `out`, its output goes there), else (code,
+    stdout, stderr). (Not capsys: the live API set up during a capsys test logs to its stream, closed
+    after the test, and a later test's process lost its stderr.)"""
+    stdout, stderr = out or io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(["--api-url", api.url, *argv])
+    return code if out is not None else (code, stdout.getvalue(), stderr.getvalue())
+
+
 def when(saved: dict[str, Any]) -> datetime:
     return datetime.fromisoformat(saved["saved_at"])
 
@@ -188,7 +198,6 @@ def test_a_runs_log_is_saved_as_it_ends_and_served_once_its_pods_are_gone(
     cluster: Cluster,
     fake_k8s: FakeKubernetes,
     dataset_uri: str,
-    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """A pod's log goes with the pod: the end of each run's (TPUTUNE_K8S_SAVED_LOG_LINES lines) is saved as
     it ends (failed, paused, succeeded) and served with `saved_at` once no pod has one; `previous=true`
@@ -209,8 +218,7 @@ def test_a_runs_log_is_saved_as_it_ends_and_served_once_its_pods_are_gone(
     assert failed_run["saved_at"] is not None
 
     fake_k8s.hold_foreground = True  # resumed, it waits queued while the failed JobSet is deleted
-    with api.client() as http:
-        assert http.post(f"/jobs/{job_id}/resume").json()["status"] == "queued"
+    assert post(api, job_id, "resume").json()["status"] == "queued"
     wait_deleted(fake_k8s, job_id)
     assert cluster.pods(job_id) == []
     assert logs(api, job_id) == failed_run  # no pod: the saved log
@@ -223,8 +231,7 @@ def test_a_runs_log_is_saved_as_it_ends_and_served_once_its_pods_are_gone(
     assert live["lines"] == ["resumed at step 2", "step 3"] and live["saved_at"] is None
     assert logs(api, job_id, previous="true") == failed_run
 
-    with api.client() as http:
-        assert http.post(f"/jobs/{job_id}/pause").json()["status"] == "pausing"
+    assert post(api, job_id, "pause").json()["status"] == "pausing"
     assert api.wait_for(job_id, lambda j: j["status"] != "pausing")["status"] == "paused"
     assert cluster.jobset(job_id) is None
     paused_run = logs(api, job_id)
@@ -232,8 +239,7 @@ def test_a_runs_log_is_saved_as_it_ends_and_served_once_its_pods_are_gone(
     assert when(paused_run) > when(failed_run)
     assert logs(api, job_id, previous="true") == paused_run
 
-    with api.client() as http:
-        assert http.post(f"/jobs/{job_id}/resume").json()["status"] == "queued"
+    assert post(api, job_id, "resume").json()["status"] == "queued"
     running(api, cluster, job_id)
     fake_k8s.append_log(process_zero(cluster, job_id), NAMESPACE, "done")
     cluster.complete(job_id)
@@ -243,8 +249,8 @@ def test_a_runs_log_is_saved_as_it_ends_and_served_once_its_pods_are_gone(
         fake_k8s.remove("pods", pod["metadata"]["name"], NAMESPACE)
     last = logs(api, job_id)
     assert last["lines"] == ["done"] and when(last) > when(paused_run)
-    assert main(["--api-url", api.url, "logs", job_id, "--previous"]) == 0
-    out, err = capsys.readouterr()
+    code, out, err = cli(api, "logs", job_id, "--previous")
+    assert code == 0
     assert out == "done\n" and err.startswith("(saved as the run ended, ")
     with api.client() as http:
         refused = http.get(f"/jobs/{job_id}/logs", params={"previous": "true", "follow": "true"})
@@ -264,7 +270,6 @@ def test_following_a_log_across_pods_prints_no_earlier_runs_lines(
     cluster: Cluster,
     fake_k8s: FakeKubernetes,
     dataset_uri: str,
-    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """`tputune logs -f` polls the log. Between pods (a JobSet's restart makes new ones, whose logs start
     empty) the API answers with the log saved as an earlier run ended: not printed again as new lines."""
@@ -272,16 +277,14 @@ def test_following_a_log_across_pods_prints_no_earlier_runs_lines(
     job_id = submit(api, dataset_uri)
     running(api, cluster, job_id)
     fake_k8s.append_log(process_zero(cluster, job_id), NAMESPACE, "first run")
-    with api.client() as http:
-        assert http.post(f"/jobs/{job_id}/pause").json()["status"] == "pausing"
-        assert api.wait_for(job_id, lambda j: j["status"] != "pausing")["status"] == "paused"
-        assert http.post(f"/jobs/{job_id}/resume").json()["status"] == "queued"
+    assert post(api, job_id, "pause").json()["status"] == "pausing"
+    assert api.wait_for(job_id, lambda j: j["status"] != "pausing")["status"] == "paused"
+    assert post(api, job_id, "resume").json()["status"] == "queued"
     running(api, cluster, job_id)
     fake_k8s.append_log(process_zero(cluster, job_id), NAMESPACE, "second run, 1")
     codes: list[int] = []
-    follower = threading.Thread(
-        target=lambda: codes.append(main(["--api-url", api.url, "logs", job_id, "-f"]))
-    )
+    followed = io.StringIO()
+    follower = threading.Thread(target=lambda: codes.append(cli(api, "logs", job_id, "-f", out=followed)))
     follower.start()
     time.sleep(1.5)
     cluster.restart(job_id, exit_code=75)  # (new pods, their logs empty: the saved one is answered)
@@ -290,4 +293,4 @@ def test_following_a_log_across_pods_prints_no_earlier_runs_lines(
     cluster.complete(job_id)
     follower.join(timeout=30)
     assert codes == [0]
-    assert capsys.readouterr().out == "second run, 1\nsecond run, 2\n"
+    assert followed.getvalue() == "second run, 1\nsecond run, 2\n"
