@@ -609,9 +609,7 @@ def job_logs(
     # (a resumed job's last run, until it runs again: its `launch` is kept until then)
     ran = job.launched_at is not None or job.launch is not None or job.pauses > 0
     lines, truncated = executor.logs(job, tail) if ran and not previous else ([], False)
-    # (a local run's log file keeps every run's lines: nothing is saved apart)
-    keeps = not executor.logs_outlive_runs and (previous or not lines)
-    saved = service.saved_log(session, job) if keeps else None
+    saved = service.saved_log(session, job) if previous or not lines else None
     if saved is None:
         return json_response(LogsResponse(job_id=job.id, lines=lines, truncated=truncated))
     kept = saved.text.splitlines()
