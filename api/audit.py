@@ -1,8 +1,8 @@
-"""The audit log: who changed who may do what, and what a team may use. Each change to a key, a team's
-limits or data prefixes, or a webhook endpoint is recorded in the change's own transaction (`record`, before
-the route's commit), so a change is never stored without its event, nor an event without its change. Never
-a secret: a key's visible prefix, not the key; a webhook's address without its path or query (a Slack-style
-URL is itself a secret)."""
+"""The audit log: who changed who may do what, and what a team may use, and who deleted a job. Each change
+to a key, a team's limits or data prefixes, or a webhook endpoint, and each job deleted, is recorded in
+the change's own transaction (`record`, before the route's commit), so a change is never stored without
+its event, nor an event without its change. Never a secret: a key's visible prefix, not the key; a
+webhook's address without its path or query (a Slack-style URL is itself a secret)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ Action = Literal[
     "webhook.updated",
     "webhook.secret_rotated",
     "webhook.deleted",
+    "job.deleted",
 ]
 ACTIONS: tuple[str, ...] = get_args(Action)
 # The server itself, for what it changes on its own: an endpoint failing for long, disabled by the sender.

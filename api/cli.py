@@ -323,6 +323,22 @@ def act(args: argparse.Namespace) -> int:
     return 0
 
 
+def delete(args: argparse.Namespace) -> int:
+    """Delete each job of `args.job_ids` that ended; say of each what became of it. Exit 3 if any was not
+    deleted (the others are)."""
+    failed = False
+    with _client(args) as client:
+        for job_id in args.job_ids:
+            try:
+                deleted = client.delete_job(job_id)
+            except ApiError as exc:
+                print(f"error: {job_id}: {exc.message} ({exc.code})", file=sys.stderr)
+                failed = True
+                continue
+            print(f"{deleted['id']} deleted (its outputs stay at {deleted['output_uri']})")
+    return 3 if failed else 0
+
+
 def checkpoints(args: argparse.Namespace) -> int:
     with _client(args) as client:
         data = client.checkpoints(args.job_id)["data"]
@@ -708,6 +724,13 @@ def parser() -> argparse.ArgumentParser:
     p = commands.add_parser("cancel", help="cancel a job")
     p.add_argument("job_id")
     p.set_defaults(func=act, action="cancel")
+
+    p = commands.add_parser(
+        "delete",
+        help="delete jobs that ended, with their events and logs (their outputs stay; their use is counted)",
+    )
+    p.add_argument("job_ids", nargs="+", metavar="job_id")
+    p.set_defaults(func=delete)
 
     p = commands.add_parser(
         "pause", help="pause a job: its workers save a checkpoint and stop, and it lets its chips go"

@@ -138,6 +138,11 @@ class Client:
         running job is answered unchanged."""
         return self._request("POST", f"/jobs/{job_id}/resume")
 
+    def delete_job(self, job_id: str) -> dict[str, Any]:
+        """Delete a job that ended, with its events and logs (not its outputs). ApiError 409
+        `job_not_ended` while it has not ended (cancel it first)."""
+        return self._request("DELETE", f"/jobs/{job_id}")
+
     def events(
         self, job_id: str, after: int | None = None, limit: int = 100, types: list[str] | None = None
     ) -> dict[str, Any]:

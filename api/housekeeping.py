@@ -1,8 +1,10 @@
 """Rows kept for a while only, deleted by the dispatcher (the leader's) once an hour: idempotency keys
 past TPUTUNE_IDEMPOTENCY_KEY_HOURS (a request with one after that makes a new job), audit events past
-TPUTUNE_AUDIT_RETENTION_DAYS (unset: kept). (Webhook deliveries done: api.webhooks.WebhookSender.cleanup.)
-Audit events go in batches of BATCH rows, a transaction each: a year of them at once would hold SQLite's
-write lock, and every writer behind it, for as long."""
+TPUTUNE_AUDIT_RETENTION_DAYS (unset: kept), jobs that ended more than TPUTUNE_JOB_RETENTION_DAYS ago
+(unset: kept; api.deletion, as DELETE /jobs/{id}). (Webhook deliveries done:
+api.webhooks.WebhookSender.cleanup.) Audit events go in batches of BATCH rows, jobs in batches of
+api.deletion.BATCH, a transaction each: a year of them at once would hold SQLite's write lock, and every
+writer behind it, for as long."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from sqlalchemy import delete
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from api import deletion
 from api.db import session_scope
 from api.models import AuditEvent, IdempotencyKey, utcnow
 from api.settings import Settings
@@ -32,7 +35,10 @@ def _commit_if(session: Session, deleted: int) -> None:
 def prune(engine: Engine, settings: Settings, now: datetime | None = None) -> dict[str, int]:
     """Delete what is past its time; how many rows of each table went."""
     now = now or utcnow()
-    pruned = {"idempotency_keys": 0, "audit_events": 0}
+    pruned = {"idempotency_keys": 0, "audit_events": 0, "jobs": 0}
+    if settings.job_retention_days is not None:
+        jobs_before = now - timedelta(days=settings.job_retention_days)
+        pruned["jobs"] = deletion.delete_ended_before(engine, settings, jobs_before)
     with session_scope(engine) as session:
         keys_before = now - timedelta(hours=settings.idempotency_key_hours)
         result = session.execute(delete(IdempotencyKey).where(col(IdempotencyKey.created_at) < keys_before))

@@ -146,6 +146,27 @@ class JobLog(SQLModel, table=True):
     truncated: bool = False
 
 
+class UsageSpan(SQLModel, table=True):
+    """A deleted job's time holding its chips: one row for each stretch of it (from its launch or
+    admission until it ended, or was preempted or paused), with what `api.tenants.spent` needs to count it
+    as it counted the job (its team, its resources' JSON, the tokens it trained on). Its job and events are
+    gone (DELETE /jobs/{id}, or TPUTUNE_JOB_RETENTION_DAYS); what it used stays in GET /usage and in its
+    team's monthly chip-hours."""
+
+    __tablename__ = "usage_spans"
+    __table_args__ = (Index("ix_usage_spans_ended", "ended"),)
+
+    id: int | None = Field(
+        default=None, sa_column=Column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    )
+    job_id: str = Field(max_length=32)
+    tenant: str = Field(max_length=64)
+    resources: str = Field(sa_type=Text)
+    began: datetime = Field(sa_type=DateTime(timezone=True), nullable=False)
+    ended: datetime = Field(sa_type=DateTime(timezone=True), nullable=False)
+    trained_tokens: int = Field(default=0, sa_type=BigInteger)
+
+
 class IdempotencyKey(SQLModel, table=True):
     __tablename__ = "idempotency_keys"
 
@@ -285,9 +306,9 @@ class WebhookCursor(SQLModel, table=True):
 
 class AuditEvent(SQLModel, table=True):
     """A change to who may do what, and to what a team may use: a key made, rotated or revoked, a team's
-    limits or data prefixes set, a webhook endpoint added, changed or deleted; who did it, when, and what
-    changed (never a secret). Written in the change's own transaction (api.audit.record): no change
-    without its event. Read with GET /audit."""
+    limits or data prefixes set, a webhook endpoint added, changed or deleted; and a job deleted. Who did
+    it, when, and what changed (never a secret). Written in the change's own transaction
+    (api.audit.record): no change without its event. Read with GET /audit."""
 
     __tablename__ = "audit_events"
     __table_args__ = (Index("ix_audit_events_tenant_id", "tenant", "id"),)

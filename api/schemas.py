@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -246,6 +246,17 @@ class JobPage(BaseModel):
     data: list[JobPublic]
     has_more: bool
     next_after: str | None = Field(description="Pass as `after` to get the next page.")
+
+
+class JobDeleted(BaseModel):
+    """What DELETE /jobs/{id} answers (as OpenAI's deletes do)."""
+
+    id: str
+    object: Literal["job"] = "job"
+    deleted: Literal[True] = True
+    output_uri: str = Field(
+        description="Where the job wrote its model and checkpoints: not deleted with it (delete them there)."
+    )
 
 
 class EventPublic(BaseModel):

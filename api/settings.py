@@ -259,6 +259,13 @@ class Settings(BaseSettings):
     audit_retention_days: float | None = Field(
         default=None, gt=0, description="Audit events older than this are deleted (unset: kept)."
     )
+    job_retention_days: float | None = Field(
+        default=None,
+        gt=0,
+        description="Jobs that ended (succeeded, failed, cancelled) longer ago than this are deleted with "
+        "their events and logs, as DELETE /jobs/{id} does (unset: kept). Their outputs stay; what they used "
+        "stays counted in GET /usage.",
+    )
     webhook_retention_days: float = Field(
         default=30, gt=0, description="Deliveries done are kept this long (GET /webhooks/{id}/deliveries)."
     )

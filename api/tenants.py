@@ -22,7 +22,7 @@ from sqlalchemy import select as sa_select
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, func, select
 
-from api.models import Job, JobEvent, Tenant, utcnow
+from api.models import Job, JobEvent, Tenant, UsageSpan, utcnow
 from api.settings import Settings
 from api.states import ACTIVE, JobStatus
 from api.validation import held_chips, resource_chips
@@ -148,6 +148,93 @@ STOPPING = (JobStatus.cancelling.value, JobStatus.pausing.value)
 LAUNCH = "launch"  # (the type of a job's launch event)
 
 
+def _shape(c: Any) -> Any:
+    """A job's resources (its spec's), as JSON text: what its chips are counted from."""
+    return c.spec["resources"].as_string()
+
+
+def _spans() -> Any:
+    """Each move of the jobs whose seqs are the `jobs` parameter (their status events that name a status,
+    and their launches), with when the next came: the stretches a preempted, paused or retried job spent
+    in each status. Those that held its chips: `_holding`."""
+    jobs = Job.__table__  # type: ignore[attr-defined]
+    events = JobEvent.__table__  # type: ignore[attr-defined]
+    c, e = jobs.c, events.c
+    # The status events that name a status (not the workers' reports of their phase, nor why a job waits),
+    # each until the next; and its launches.
+    status = e.data["status"].as_string()
+    moves: dict[str, Any] = {"partition_by": e.job_seq, "order_by": e.id}  # (each job's, in order)
+    return (
+        sa_select(
+            c.seq.label("job"),
+            c.tenant.label("tenant"),
+            _shape(c).label("shape"),
+            c.trained_tokens.label("tokens"),
+            case((e.type == LAUNCH, literal(LAUNCH)), else_=status).label("status"),
+            func.coalesce(e.data["from"].as_string(), "").label("moved_from"),
+            e.created_at.label("began"),
+            func.lead(e.created_at, type_=e.created_at.type).over(**moves).label("ended"),
+            func.coalesce(func.lead(e.type).over(**moves), "").label("next"),
+        )
+        .select_from(jobs.join(events, e.job_seq == c.seq))
+        .where(
+            or_(and_(e.type == "status", status.is_not(None)), e.type == LAUNCH),
+            c.seq.in_(bindparam("jobs", expanding=True)),
+        )
+        .subquery()
+    )
+
+
+def _holding(s: Any) -> list[Any]:
+    """The conditions on `_spans` rows that keep those in which the job held its chips: starting, running,
+    cancelling or pausing, and its launches. A move to `starting` that a launch follows is the claim (its
+    dataset checked: for minutes if storage is away), its chips taken at the launch, as its own `usage`
+    counts them; a move from `queued` to `starting` with no launch after is Kueue's admission of its run,
+    which takes them."""
+    return [
+        s.status.in_((*HOLDING, LAUNCH)),
+        ~and_(s.status == JobStatus.starting.value, s.next == LAUNCH),  # (claimed, not launched yet)
+        # (a run held for quota that is then paused or cancelled holds nothing on its way out)
+        ~and_(s.moved_from == JobStatus.queued.value, s.status.in_(STOPPING)),
+    ]
+
+
+def holding_spans(session: Session, job: Job) -> list[tuple[datetime, datetime]]:
+    """When an ended `job` held its chips, as `spent` counts them: from when to when, each stretch."""
+    if not (job.preemptions or job.pauses or job.retries):
+        if job.admitted_at is None:
+            return []  # (it never ran)
+        assert job.finished_at is not None
+        return [(job.admitted_at, job.finished_at)]
+    s = _spans().c
+    query = sa_select(s.began, s.ended).where(*_holding(s)).order_by(s.began)
+    found = session.connection().execute(query, {"jobs": [job.seq]}).all()
+    assert job.finished_at is not None
+    return [(began, ended if ended is not None else job.finished_at) for began, ended in found]
+
+
+def _deleted_jobs_spent(session: Session, since: Any, until: Any, tenant: str | None) -> Any:
+    """What deleted jobs held between `since` and `until` (their `UsageSpan`s), grouped as `spent` groups
+    the others: tenant, resources, jobs, seconds, tokens."""
+    u = UsageSpan.__table__.c  # type: ignore[attr-defined]
+    own = [u.tenant == tenant] if tenant is not None else []
+    per_job = (
+        sa_select(
+            u.tenant,
+            u.resources,
+            func.max(u.trained_tokens).label("tokens"),
+            func.sum(_seconds_within(session, u.began, u.ended, since, until)).label("seconds"),
+        )
+        .where(u.ended > since, u.began < until, *own)
+        .group_by(u.job_id, u.tenant, u.resources)
+        .subquery()
+    )
+    j = per_job.c
+    return sa_select(j.tenant, j.resources, func.count(), func.sum(j.seconds), func.sum(j.tokens)).group_by(
+        j.tenant, j.resources
+    )
+
+
 def spent(
     session: Session, settings: Settings, since: datetime, until: datetime, tenant: str | None = None
 ) -> dict[str, Spent]:
@@ -169,13 +256,12 @@ def spent(
     if since >= until:
         return {}
     jobs = Job.__table__  # type: ignore[attr-defined]
-    events = JobEvent.__table__  # type: ignore[attr-defined]
-    c, e = jobs.c, events.c
+    c = jobs.c
     at = c.admitted_at.type
     since_p, until_p = literal(since, at), literal(until, at)
     ended_after = or_(c.finished_at.is_(None), c.finished_at > since)
     own = [c.tenant == tenant] if tenant is not None else []
-    shape = c.spec["resources"].as_string()  # (its JSON text)
+    shape = _shape(c)
     # A job never preempted held its chips from its (last) admission until it ended (or now): its row says.
     plain = sa_select(
         c.tenant,
@@ -187,34 +273,7 @@ def spent(
     admitted = [c.admitted_at.is_not(None), c.admitted_at < until, ended_after]
     interrupted = (c.preemptions, c.pauses, c.retries)  # (any of them: its moves are read, below)
     plain = plain.where(*(count == 0 for count in interrupted), *admitted, *own).group_by(c.tenant, shape)
-    # A preempted or paused one held them while starting, running, cancelling or pausing: each status it
-    # was in, from when to when, are its moves (the status events that name a status: not the workers'
-    # reports of their phase, nor why a job waits), each until the next. And its launches: a move to
-    # `starting` that a launch follows is the claim (its dataset checked: for minutes if storage is away),
-    # its chips taken at the launch, as its own `usage` counts them; a move from `queued` to `starting`
-    # with no launch after is Kueue's admission of its run, which takes them.
-    status = e.data["status"].as_string()
-    moves: dict[str, Any] = {"partition_by": e.job_seq, "order_by": e.id}  # (each job's, in order)
-    spans = (
-        sa_select(
-            c.seq.label("job"),
-            c.tenant.label("tenant"),
-            shape.label("shape"),
-            c.trained_tokens.label("tokens"),
-            case((e.type == LAUNCH, literal(LAUNCH)), else_=status).label("status"),
-            func.coalesce(e.data["from"].as_string(), "").label("moved_from"),
-            e.created_at.label("began"),
-            func.lead(e.created_at).over(**moves).label("ended"),
-            func.coalesce(func.lead(e.type).over(**moves), "").label("next"),
-        )
-        .select_from(jobs.join(events, e.job_seq == c.seq))
-        .where(
-            or_(and_(e.type == "status", status.is_not(None)), e.type == LAUNCH),
-            c.seq.in_(bindparam("jobs", expanding=True)),
-        )
-        .subquery()
-    )
-    s = spans.c
+    s = _spans().c
     # Each job that held its chips in the window, for how long; then by tenant and shape.
     held = (
         sa_select(
@@ -223,14 +282,7 @@ def spent(
             func.max(s.tokens).label("tokens"),
             func.sum(_seconds_within(session, s.began, s.ended, since_p, until_p)).label("seconds"),
         )
-        .where(
-            s.status.in_((*HOLDING, LAUNCH)),
-            ~and_(s.status == JobStatus.starting.value, s.next == LAUNCH),  # (claimed, not launched yet)
-            # (a run held for quota that is then paused or cancelled holds nothing on its way out)
-            ~and_(s.moved_from == JobStatus.queued.value, s.status.in_(STOPPING)),
-            s.began < until_p,
-            func.coalesce(s.ended, until_p) > since_p,
-        )
+        .where(*_holding(s), s.began < until_p, func.coalesce(s.ended, until_p) > since_p)
         .group_by(s.job, s.tenant, s.shape)
         .subquery()
     )
@@ -247,6 +299,7 @@ def spent(
     seqs = list(connection.execute(sa_select(c.seq).where(*preempted_then)).scalars())
     for first in range(0, len(seqs), _JOBS_AT_ONCE):
         rows += connection.execute(preempted, {"jobs": seqs[first : first + _JOBS_AT_ONCE]})
+    rows += connection.execute(_deleted_jobs_spent(session, since_p, until_p, tenant))
     for name, resources, count, seconds_held, tokens in rows:
         if resources not in chips:
             try:

@@ -42,7 +42,7 @@ import ssl
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -405,6 +405,88 @@ class Attempt:
     error: str | None = None
 
 
+def write_deliveries(
+    session: Session, hooks: list[Webhook], rows: Sequence[Any], written: Collection[tuple[str, int]] = ()
+) -> set[tuple[str, int]]:
+    """Insert the deliveries of the status events `rows` (as `WebhookSender._status_events` reads them) for
+    the endpoints `hooks` wants them, but those `written` already (or in the table: unique per endpoint and
+    event); returns their (endpoint, event) pairs."""
+    by_tenant: dict[str, list[Webhook]] = {}
+    for hook in hooks:
+        by_tenant.setdefault(hook.tenant, []).append(hook)
+    deliveries = []
+    pairs: set[tuple[str, int]] = set()
+    now = utcnow()
+    for row in rows:
+        data = row.data or {}
+        status = data.get("status")
+        if status is None or "from" not in data:  # (a note, not a move)
+            continue
+        event_type = f"job.{status}"
+        if event_type not in EVENT_TYPES:
+            continue
+        created = as_utc(row.created_at)
+        assert created is not None
+        body = None
+        for hook in by_tenant.get(row.tenant, []) + by_tenant.get(EVERY_TENANT, []):
+            if event_type not in hook.events or (hook.id, row.id) in written:
+                continue
+            if created < as_utc(hook.enabled_at or hook.created_at):  # type: ignore[operator]
+                continue  # (a move made before the endpoint was, or while it was disabled)
+            body = body or event_body(row.id, event_type, created, _job_data(row, status))
+            deliveries.append(
+                {
+                    "webhook_id": hook.id,
+                    "event_id": row.id,
+                    "type": event_type,
+                    "job_id": row.job_id,
+                    "body": body,
+                    "status": PENDING,
+                    "attempts": 0,
+                    "created_at": now,
+                    "next_attempt_at": now,
+                }
+            )
+            pairs.add((hook.id, row.id))
+    if deliveries:
+        statement = upsert_insert(session.get_bind())(_deliveries).on_conflict_do_nothing(
+            index_elements=["webhook_id", "event_id"]
+        )
+        session.execute(statement, deliveries)
+    return pairs
+
+
+def deliver_before_deleting(session: Session, job_seqs: Sequence[int]) -> int:
+    """Write the deliveries of the jobs' status events that the sender has not read yet (those after its
+    cursor), in the transaction that deletes the jobs: their events go with them, and a job deleted as it
+    ended would otherwise never be told of. The sender reads them again (those it read already) as ever:
+    a delivery is unique per endpoint and event. How many it wrote."""
+    hooks = list(session.exec(select(Webhook).where(col(Webhook.disabled_at).is_(None))).all())
+    if not hooks:
+        return 0
+    cursor = session.get(WebhookCursor, 1)
+    events, jobs = JobEvent.__table__, Job.__table__  # type: ignore[attr-defined]
+    query = (
+        sa_select(
+            events.c.id,
+            events.c.created_at,
+            events.c.data,
+            jobs.c.id.label("job_id"),
+            jobs.c.tenant,
+            jobs.c.error_code,
+            jobs.c.error_message,
+        )
+        .join(jobs, jobs.c.seq == events.c.job_seq)
+        .where(
+            events.c.job_seq.in_(job_seqs),
+            events.c.type == "status",
+            events.c.id > (cursor.event_id if cursor is not None else 0),
+        )
+        .order_by(events.c.id)
+    )
+    return len(write_deliveries(session, hooks, list(session.connection().execute(query))))
+
+
 class WebhookSender:
     """Reads the job events into deliveries and sends them: a thread of its own (start/stop), working only
     while `is_leader` says this process leads (the dispatcher's Lease: one sender for all replicas)."""
@@ -607,49 +689,7 @@ class WebhookSender:
     def _write(self, session: Session, hooks: list[Webhook], rows: Sequence[Any]) -> set[tuple[str, int]]:
         """Insert the deliveries of `rows` (those not written yet); returns their (endpoint, event) pairs,
         for `_written` once committed."""
-        by_tenant: dict[str, list[Webhook]] = {}
-        for hook in hooks:
-            by_tenant.setdefault(hook.tenant, []).append(hook)
-        deliveries = []
-        pairs: set[tuple[str, int]] = set()
-        now = utcnow()
-        for row in rows:
-            data = row.data or {}
-            status = data.get("status")
-            if status is None or "from" not in data:  # (a note, not a move)
-                continue
-            event_type = f"job.{status}"
-            if event_type not in EVENT_TYPES:
-                continue
-            created = as_utc(row.created_at)
-            assert created is not None
-            body = None
-            for hook in by_tenant.get(row.tenant, []) + by_tenant.get(EVERY_TENANT, []):
-                if event_type not in hook.events or (hook.id, row.id) in self._written:
-                    continue
-                if created < as_utc(hook.enabled_at or hook.created_at):  # type: ignore[operator]
-                    continue  # (a move made before the endpoint was, or while it was disabled)
-                body = body or event_body(row.id, event_type, created, _job_data(row, status))
-                deliveries.append(
-                    {
-                        "webhook_id": hook.id,
-                        "event_id": row.id,
-                        "type": event_type,
-                        "job_id": row.job_id,
-                        "body": body,
-                        "status": PENDING,
-                        "attempts": 0,
-                        "created_at": now,
-                        "next_attempt_at": now,
-                    }
-                )
-                pairs.add((hook.id, row.id))
-        if deliveries:
-            statement = upsert_insert(self.engine)(_deliveries).on_conflict_do_nothing(
-                index_elements=["webhook_id", "event_id"]
-            )
-            session.execute(statement, deliveries)
-        return pairs
+        return write_deliveries(session, hooks, rows, self._written)
 
     # --- sending ---
 

@@ -58,6 +58,7 @@ def test_an_idempotency_key_is_remembered_for_its_hours_then_makes_a_new_job(
         assert prune(engine, settings, utcnow() + timedelta(hours=23)) == {
             "idempotency_keys": 0,
             "audit_events": 0,
+            "jobs": 0,
         }
         again = post(client, dataset, "stories-001")
         assert again.status_code == 200 and again.json()["id"] == first.json()["id"]

@@ -32,6 +32,7 @@ TABLES = {
     "webhook_cursor",
     "audit_events",
     "job_logs",
+    "usage_spans",
 }
 
 

@@ -981,3 +981,67 @@ def test_a_job_held_by_kueue_then_paused_is_charged_as_its_own_usage_says(
     assert job["usage"]["chip_hours"] == pytest.approx(0.1, abs=1e-3)
     rows = {row["tenant"]: row for row in app_client.get("/usage", headers=research).json()["data"]}
     assert rows["research"]["chip_hours"] == pytest.approx(job["usage"]["chip_hours"], abs=1e-3)
+
+
+def test_deleted_jobs_stay_counted_in_usage(
+    app_client: TestClient, dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DELETE /jobs/{id} takes a job's events, from which the report reads when a preempted, paused or
+    retried job ran: what each deleted job held is kept, and the report over any window is as it was."""
+    research, vision = bearer(make_key(app_client, "research")), bearer(make_key(app_client, "vision"))
+    engine = app_client.app.state.engine  # type: ignore[attr-defined]
+    day = 24.0
+    preempted = [("launch", 12), ("running", 11.9), ("queued", 11), ("starting", 10.5), ("running", 10.4)]
+    paused = [("launch", 9), ("running", 8.9), ("pause", 8), ("paused", 7.9), ("resume", 7), ("launch", 6.9)]
+    retried = [("launch", 5), ("running", 4.9), ("failed", 4.5), ("resume", 4), ("launch", 3.9)]
+    held = [("launch", 6), ("queued", 5.9), ("cancelling", 5), ("cancelled", 4.9)]  # (Kueue held it)
+    histories = [  # (key, processes, its moves (hours ago), trained tokens)
+        (research, 2, [("launch", 10), ("running", 9.9), ("succeeded", 8)], 100),
+        (research, 1, [*preempted, ("succeeded", 9)], 200),
+        (research, 2, [*paused, ("running", 6.8), ("succeeded", 6)], 400),
+        (vision, 1, [*retried, ("running", 3.8), ("failed", 3)], 800),  # (failed, resumed, failed again)
+        (vision, 4, [("launch", 2), ("running", 1.9), ("cancelling", 1.5), ("cancelled", 1.4)], 16),
+        (vision, 1, [("cancelled", 5)], 0),  # (never ran)
+        (vision, 1, held, 0),
+        (vision, 1, [("launch", 40 * day), ("running", 40 * day - 0.1), ("succeeded", 29 * day)], 32),
+        (research, 1, [("launch", 3), ("running", 2.9)], 64),  # (running still: not deleted)
+    ]
+    ids = []
+    for key, processes, moves, tokens in histories:
+        job_id = str(app_client.post("/jobs", json=body(dataset, processes), headers=key).json()["id"])
+        replay(engine, monkeypatch, job_id, moves)
+        monkeypatch.undo()
+        with Session(engine) as session:
+            session.execute(update(Job).where(col(Job.id) == job_id).values(trained_tokens=tokens))
+            session.commit()
+        ids.append(job_id)
+    now = datetime.now(UTC)
+
+    def reports() -> list[list[tuple[str, int, float, int]]]:
+        found = []
+        windows: list[dict[str, str]] = [{}, {"tenant": "vision"}]
+        for start in range(14):  # (windows of 1.25 h, overlapping, over the last 14 h; and the last 45 days)
+            since, until = now - timedelta(hours=start + 1.25), now - timedelta(hours=start)
+            windows.append({"since": since.isoformat(), "until": until.isoformat()})
+        windows.append({"since": (now - timedelta(days=45)).isoformat(), "until": now.isoformat()})
+        for params in windows:
+            response = app_client.get("/usage", params=params, headers=bearer(ADMIN))
+            assert response.status_code == 200, response.text
+            rows = response.json()["data"]
+            found.append([(r["tenant"], r["jobs"], r["chip_hours"], r["trained_tokens"]) for r in rows])
+        return found
+
+    before = reports()
+    # (not the one that never ran, nor the one Kueue held; the 40-day-old one's last day, 11 in 45 days)
+    assert [(row[0], row[1]) for row in before[0]] == [("research", 4), ("vision", 3)]
+    assert before[-1][1][2] == pytest.approx(before[0][1][2] + 10 * day, abs=1e-3)
+    for job_id, (key, *_) in zip(ids[:-1], histories, strict=False):
+        deleted = app_client.delete(f"/jobs/{job_id}", headers=key)
+        assert deleted.status_code == 200, deleted.text
+        assert app_client.get(f"/jobs/{job_id}", headers=key).status_code == 404
+    with Session(engine) as session:
+        assert session.exec(select(Job.id)).all() == [ids[-1]]
+    after = reports()
+    for was, now_is in zip(before, after, strict=True):
+        # (the default window's `until` is now: the running job's figure grew meanwhile)
+        assert now_is == [(t, jobs, pytest.approx(hours, abs=1e-3), tokens) for t, jobs, hours, tokens in was]

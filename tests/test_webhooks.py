@@ -355,6 +355,29 @@ def test_a_jobs_end_is_posted_signed_and_retried_until_delivered(
     assert not verify(secret, {**one, "body": one["body"].replace("succeeded", "failed")})
 
 
+def test_a_job_deleted_as_it_ends_is_still_posted_once(
+    open_client: TestClient, dataset: Path, receiver: Receiver
+) -> None:
+    """DELETE /jobs/{id} takes the job's events, the sender's outbox: a job deleted before the sender read
+    its end is still posted (its delivery written as it goes), and one read already is not posted twice."""
+    client = open_client
+    hook = client.post("/webhooks", json={"url": receiver.url, "events": ["job.running", "job.succeeded"]})
+    send = sender(client)
+    early, late = new_job(client, dataset), new_job(client, dataset)
+    move(client, early, JobStatus.starting, JobStatus.running, JobStatus.succeeded)
+    drain(send)  # (early's moves read and posted)
+    move(client, late, JobStatus.starting, JobStatus.running, JobStatus.succeeded)
+    for job_id in (late, early):  # (late's moves not read yet)
+        deleted = client.delete(f"/jobs/{job_id}")
+        assert deleted.status_code == 200, deleted.text
+    drain(send)
+    posted = [(event["data"]["id"], event["type"]) for event in receiver.events()]
+    assert sorted(posted) == sorted(
+        (job_id, f"job.{status}") for job_id in (early, late) for status in ("running", "succeeded")
+    )
+    assert {row["job_id"] for row in deliveries(client, hook.json()["id"])} == {early, late}
+
+
 def test_a_rotated_secret_signs_beside_the_new_one_for_a_while(
     open_client: TestClient, dataset: Path, receiver: Receiver
 ) -> None:

@@ -7,6 +7,7 @@ between "started" and "recorded" adopts the run instead of starting a second one
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -55,6 +56,23 @@ def _runner_of(job_id: str) -> int | None:
         if needle in environ and marker in environ and process_start_time(int(entry.name)) is not None:
             return int(entry.name)
     return None
+
+
+def remove_records(job_dir: Path) -> None:
+    """Delete what a deleted job's runs left in its directory: its config, its runner's records and log,
+    its workers' logs (not its outputs, where they are in it: the default output_uri); the directory too
+    if that left it empty."""
+    if not job_dir.is_dir():
+        return
+    for path in job_dir.iterdir():
+        name = path.name
+        worker_log = name.startswith("worker") and name.endswith(".log")
+        record = name in (CONFIG_FILE, EXIT_FILE, RUNNER_FILE, "runner.log") or worker_log
+        leftover = name.startswith(".") and name.endswith(".tmp")  # (write_json_atomic's, cut short)
+        if (record or leftover) and path.is_file():
+            path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # (its outputs are in it)
+        job_dir.rmdir()
 
 
 class LocalExecutor:

@@ -40,9 +40,10 @@ class AuditEventPublic(BaseModel):
     action: audit.Action = Field(
         description="key.created, key.rotated, key.revoked (`target`: the key's id); tenant.updated (the "
         "team's name: its limits or data prefixes); webhook.created, webhook.updated, "
-        "webhook.secret_rotated, webhook.deleted (the endpoint's id)."
+        "webhook.secret_rotated, webhook.deleted (the endpoint's id); job.deleted (the job's id: its name, "
+        "status and output_uri in `details`)."
     )
-    tenant: str = Field(description="The team whose key, limits or endpoint it was (`*`: every team's).")
+    tenant: str = Field(description="The team whose key, limits, endpoint or job it was (`*`: every team's).")
     target: str
     actor: Actor
     request_id: str | None = Field(description="The request's X-Request-Id, as the server's logs show it.")

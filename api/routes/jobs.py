@@ -14,6 +14,7 @@ from fastapi.security import HTTPBearer
 from pydantic import BaseModel
 from sqlmodel import Session
 
+from api import deletion
 from api import jobs as service
 from api.deps import (
     API_KEY_REQUIRED,
@@ -46,6 +47,7 @@ from api.schemas import (
     EventPage,
     EventPublic,
     JobCreate,
+    JobDeleted,
     JobPage,
     JobPublic,
     LogsResponse,
@@ -321,6 +323,25 @@ def cancel_job(
     if dispatcher is not None:
         dispatcher.wake()
     return json_response(JobPublic.of(job))
+
+
+@router.delete(
+    "/{job_id}",
+    response_model=JobDeleted,
+    summary="Delete an ended job",
+    responses={
+        **_errors,
+        409: {"model": ErrorResponse, "description": "The job has not ended (cancel it first)."},
+    },
+)
+def delete_job(job_id: str, session: SessionDep, principal: PrincipalDep, settings: SettingsDep) -> Response:
+    """Delete a job that ended (succeeded, failed or cancelled) with its events, loss history, metadata
+    and saved logs (on the local executor, its config and workers' logs too). Its outputs are not deleted:
+    the model and checkpoints stay at its `output_uri`. What it used stays counted in GET /usage and its
+    team's chip-hours. Recorded in the audit log (`job.deleted`). Jobs that ended long ago go by
+    themselves where the server sets TPUTUNE_JOB_RETENTION_DAYS."""
+    job = deletion.delete_job(session, settings, principal, job_id)
+    return json_response(JobDeleted(id=job.id, output_uri=job.output_uri))
 
 
 @router.post(

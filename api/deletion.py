@@ -1,0 +1,158 @@
+"""Deleting ended jobs: one at a time (DELETE /jobs/{id}, `tputune delete`), or every job that ended
+more than TPUTUNE_JOB_RETENTION_DAYS ago (the dispatcher's housekeeping, api.housekeeping).
+
+A job goes with all it has in the database: its events (the loss history among them), its metadata, its
+saved logs, the idempotency keys that named it; and its records in the job's directory on the local
+executor (its config, its runner's files and its workers' logs). Not its outputs: the model and the
+checkpoints it wrote stay where they are (its `output_uri`), for their owner to delete.
+
+What it used stays counted: as it goes, the stretches in which it held its chips are kept (api.models.
+UsageSpan), so GET /usage, and its team's chip-hours this month (its budget), count it as they did. And
+webhooks still tell of its moves: the deliveries of status events the sender has not read yet are
+written as it goes (api.webhooks.deliver_before_deleting).
+
+Only an ended job (succeeded, failed, cancelled): a paused one may be resumed, a running one holds chips.
+The jobs are claimed first (their rows written: PostgreSQL locks them, SQLite takes its write lock), so a
+job resumed at the same time is either resumed or deleted, never deleted with its use counted twice."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+
+from sqlalchemy import delete, update
+from sqlalchemy import select as sa_select
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from api import audit
+from api.auth import Principal
+from api.db import session_scope
+from api.errors import ApiError
+from api.executors.local import remove_records
+from api.jobs import get_job
+from api.models import IdempotencyKey, Job, UsageSpan, utcnow
+from api.settings import Settings
+from api.states import FINAL
+from api.tenants import holding_spans
+from api.webhooks import deliver_before_deleting
+
+log = logging.getLogger(__name__)
+
+ENDED = tuple(sorted(status.value for status in FINAL))
+BATCH = 20  # jobs deleted in one transaction by the retention (each with all its events)
+
+
+def not_ended(job: Job) -> ApiError:
+    return ApiError(
+        409,
+        "job_not_ended",
+        f"Job {job.id} is {job.status}; only a job that ended (succeeded, failed or cancelled) can be "
+        f"deleted. Cancel it first (POST /jobs/{job.id}/cancel), then delete it.",
+    )
+
+
+def delete_job(session: Session, settings: Settings, principal: Principal, job_id: str) -> Job:
+    """Delete the job `job_id` (of the caller's tenant; the admin key: any) if it ended; 404 if it is not
+    one of the tenant's, 409 if it has not ended. Returns it as it was."""
+    job = get_job(session, principal.scope, job_id)
+    if job.status not in FINAL:
+        raise not_ended(job)
+    gone = _delete(session, [job.seq])  # type: ignore[list-item]
+    if not gone:  # (it moved meanwhile: resumed)
+        session.rollback()
+        raise not_ended(get_job(session, principal.scope, job_id))
+    [job] = gone
+    audit.record(
+        session,
+        principal,
+        "job.deleted",
+        job.tenant,
+        job.id,
+        {
+            "name": job.name,
+            "status": job.status,
+            "created_at": audit.when(job.created_at),
+            "finished_at": audit.when(job.finished_at),
+            "output_uri": job.output_uri,
+        },
+    )
+    session.commit()
+    remove_records(job_dir(settings, job.id))
+    return job
+
+
+def delete_ended_before(engine: Engine, settings: Settings, before: datetime) -> int:
+    """Delete every job that ended before `before`, BATCH a transaction (the oldest first); how many went.
+    (Not one audit event each: the server's setting deleted them, and its log says how many.)"""
+    deleted, batch = 0, BATCH
+    while True:
+        with session_scope(engine) as session:
+            query = (
+                sa_select(Job.seq)  # type: ignore[call-overload]
+                .where(col(Job.status).in_(ENDED), col(Job.finished_at) < before)
+                .order_by(col(Job.seq))
+                .limit(batch)
+            )
+            seqs = list(session.execute(query).scalars())
+            if not seqs:
+                return deleted
+            gone = _delete(session, seqs)
+            session.commit()
+        for job in gone:
+            remove_records(job_dir(settings, job.id))
+        deleted += len(gone)
+        if len(seqs) < batch:
+            return deleted
+
+
+def job_dir(settings: Settings, job_id: str) -> Path:
+    return settings.jobs_dir / job_id
+
+
+def _delete(session: Session, seqs: Sequence[int]) -> list[Job]:
+    """Delete those of the jobs `seqs` that ended, in `session`'s transaction (not committed): keep what they
+    used, write their webhooks' deliveries not written yet, forget their idempotency keys. Returns them."""
+    jobs = Job.__table__  # type: ignore[attr-defined]
+    ended = [jobs.c.seq.in_(seqs), jobs.c.status.in_(ENDED)]
+    # Claimed first: written, their rows are this transaction's until it ends (a resume waits, then finds
+    # none), and what is read next is what is deleted.
+    session.execute(update(jobs).where(*ended).values(updated_at=utcnow()))
+    query = select(Job).where(col(Job.seq).in_(seqs), col(Job.status).in_(ENDED))
+    found = list(session.exec(query.execution_options(populate_existing=True)).all())
+    if not found:
+        return []
+    spans = []
+    for job in found:
+        resources = session.execute(
+            sa_select(jobs.c.spec["resources"].as_string()).where(jobs.c.seq == job.seq)
+        ).scalar_one()
+        for began, ended_at in holding_spans(session, job):
+            spans.append(
+                {
+                    "job_id": job.id,
+                    "tenant": job.tenant,
+                    "resources": resources or "{}",
+                    "began": began,
+                    "ended": ended_at,
+                    "trained_tokens": job.trained_tokens,
+                }
+            )
+    if spans:
+        session.execute(UsageSpan.__table__.insert(), spans)  # type: ignore[attr-defined]
+    seqs = [job.seq for job in found]  # type: ignore[misc]
+    deliver_before_deleting(session, seqs)
+    for tenant in {job.tenant for job in found}:
+        ids = [job.id for job in found if job.tenant == tenant]
+        session.execute(
+            delete(IdempotencyKey).where(
+                col(IdempotencyKey.tenant) == tenant, col(IdempotencyKey.job_id).in_(ids)
+            )
+        )
+    # (their events, metadata and saved logs by their foreign keys' ON DELETE CASCADE)
+    session.execute(delete(jobs).where(jobs.c.seq.in_(seqs)))
+    for job in found:
+        session.expunge(job)
+    return found
