@@ -2,9 +2,11 @@
 more than TPUTUNE_JOB_RETENTION_DAYS ago (the dispatcher's housekeeping, api.housekeeping).
 
 A job goes with all it has in the database: its events (the loss history among them), its metadata, its
-saved logs, the idempotency keys that named it; and its records in the job's directory on the local
-executor (its config, its runner's files and its workers' logs). Not its outputs: the model and the
-checkpoints it wrote stay where they are (its `output_uri`), for their owner to delete.
+saved logs, the idempotency keys that named it; and what is left of its runs (the executor's `forget`):
+its records in the job's directory on the local executor (its config, its runner's files and its
+workers' logs), its JobSet on GKE (kept for its pods' logs until its TTL, a failed one's until resumed).
+Not its outputs: the model and the checkpoints it wrote stay where they are (its `output_uri`), for their
+owner to delete.
 
 What it used stays counted: as it goes, the stretches in which it held its chips are kept (api.models.
 UsageSpan), so GET /usage, and its team's chip-hours this month (its budget), count it as they did. And
@@ -18,9 +20,8 @@ job resumed at the same time is either resumed or deleted, never deleted with it
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
-from pathlib import Path
 
 from sqlalchemy import delete, update
 from sqlalchemy import select as sa_select
@@ -54,9 +55,19 @@ def not_ended(job: Job) -> ApiError:
     )
 
 
-def delete_job(session: Session, settings: Settings, principal: Principal, job_id: str) -> Job:
+Forget = Callable[[Job], None]
+
+
+def records_only(settings: Settings) -> Forget:
+    """What forgets a deleted job's run without an executor at hand: its records in the local job
+    directory (api.executors.local.remove_records), where there is one."""
+    return lambda job: remove_records(settings.jobs_dir / job.id)
+
+
+def delete_job(session: Session, principal: Principal, job_id: str, forget: Forget) -> Job:
     """Delete the job `job_id` (of the caller's tenant; the admin key: any) if it ended; 404 if it is not
-    one of the tenant's, 409 if it has not ended. Returns it as it was."""
+    one of the tenant's, 409 if it has not ended. Then `forget` what is left of its runs (the executor's).
+    Returns it as it was."""
     job = get_job(session, principal.scope, job_id)
     if job.status not in FINAL:
         raise not_ended(job)
@@ -80,11 +91,11 @@ def delete_job(session: Session, settings: Settings, principal: Principal, job_i
         },
     )
     session.commit()
-    remove_records(job_dir(settings, job.id))
+    _forget(forget, job)
     return job
 
 
-def delete_ended_before(engine: Engine, settings: Settings, before: datetime) -> int:
+def delete_ended_before(engine: Engine, before: datetime, forget: Forget) -> int:
     """Delete every job that ended before `before`, BATCH a transaction (the oldest first); how many went.
     (Not one audit event each: the server's setting deleted them, and its log says how many.)"""
     deleted, batch = 0, BATCH
@@ -102,14 +113,17 @@ def delete_ended_before(engine: Engine, settings: Settings, before: datetime) ->
             gone = _delete(session, seqs)
             session.commit()
         for job in gone:
-            remove_records(job_dir(settings, job.id))
+            _forget(forget, job)
         deleted += len(gone)
         if len(seqs) < batch:
             return deleted
 
 
-def job_dir(settings: Settings, job_id: str) -> Path:
-    return settings.jobs_dir / job_id
+def _forget(forget: Forget, job: Job) -> None:
+    try:
+        forget(job)
+    except Exception:  # (deleted all the same: what is left of its run stays, a JobSet until its TTL)
+        log.warning("could not remove what is left of the runs of deleted job %s", job.id, exc_info=True)
 
 
 def _delete(session: Session, seqs: Sequence[int]) -> list[Job]:

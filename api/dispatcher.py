@@ -216,7 +216,7 @@ class Dispatcher:
             return
         self._housekept = time.monotonic()
         try:
-            pruned = housekeeping.prune(self.engine, self.settings)
+            pruned = housekeeping.prune(self.engine, self.settings, forget=self.executor.forget)
         except Exception:
             log.warning("could not delete the rows past their time; again in an hour", exc_info=True)
             return

@@ -32,13 +32,17 @@ def _commit_if(session: Session, deleted: int) -> None:
         session.rollback()
 
 
-def prune(engine: Engine, settings: Settings, now: datetime | None = None) -> dict[str, int]:
-    """Delete what is past its time; how many rows of each table went."""
+def prune(
+    engine: Engine, settings: Settings, now: datetime | None = None, forget: deletion.Forget | None = None
+) -> dict[str, int]:
+    """Delete what is past its time; how many rows of each table went. `forget`: what removes what is left
+    of a deleted job's runs (the executor's; None: its local records only)."""
     now = now or utcnow()
     pruned = {"idempotency_keys": 0, "audit_events": 0, "jobs": 0}
     if settings.job_retention_days is not None:
         jobs_before = now - timedelta(days=settings.job_retention_days)
-        pruned["jobs"] = deletion.delete_ended_before(engine, settings, jobs_before)
+        forget = forget or deletion.records_only(settings)
+        pruned["jobs"] = deletion.delete_ended_before(engine, jobs_before, forget)
     with session_scope(engine) as session:
         keys_before = now - timedelta(hours=settings.idempotency_key_hours)
         result = session.execute(delete(IdempotencyKey).where(col(IdempotencyKey.created_at) < keys_before))

@@ -387,6 +387,47 @@ def test_fresh_queued_job_renders_and_cancels(
     tab.assert_clean()
 
 
+def test_an_ended_job_is_deleted_from_its_page(
+    live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    """Delete is offered once the job ended; asked first (saying where its outputs stay), then back to the
+    jobs list, without it."""
+    api = live_api(dispatcher_enabled=False)
+    kept = create(api, dataset, "kept")
+    job_id = create(api, dataset, "goes")
+    tab = open_tab(api, f"/ui/jobs/{job_id}")
+    page = tab.page
+    expect(page.locator("#status")).to_have_text("queued")
+    expect(page.locator("#delete")).to_be_disabled()
+    with api.client() as http:
+        assert http.post(f"/jobs/{job_id}/cancel").json()["status"] == "cancelled"
+        output = http.get(f"/jobs/{job_id}").json()["output_uri"]
+    expect(page.locator("#status")).to_have_text("cancelled")
+    expect(page.locator("#delete")).to_be_enabled()
+    asked: list[str] = []
+
+    def answer(dialog: Any) -> None:
+        asked.append(dialog.message)
+        if len(asked) == 1:
+            dialog.dismiss()  # (the first time: not deleted)
+        else:
+            dialog.accept()
+
+    page.on("dialog", answer)
+    page.locator("#delete").click()
+    with api.client() as http:
+        assert http.get(f"/jobs/{job_id}").status_code == 200
+    page.locator("#delete").click()
+    expect(page).to_have_url(api.url + "/ui/")
+    expect(page.locator("#jobs tbody tr")).to_have_count(1)
+    expect(page.locator("#jobs tbody tr").first).to_have_attribute("data-job-id", kept)
+    assert asked[0] == asked[1] and asked[0].startswith("Delete job goes with its events and logs?")
+    assert asked[0].endswith(f"Its outputs stay at {output}.")
+    with api.client() as http:
+        assert http.get(f"/jobs/{job_id}").status_code == 404
+    tab.assert_clean()
+
+
 def test_pause_and_resume_buttons(
     live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
 ) -> None:

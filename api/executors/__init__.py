@@ -56,6 +56,11 @@ class Executor(Protocol):
     def logs(self, job: Job, tail: int) -> tuple[list[str], bool]:
         """The last `tail` lines of the job's log and whether older lines were left out."""
 
+    def forget(self, job: Job) -> None:
+        """Remove what is left of the runs of an ended job that was deleted (api.deletion): its records and
+        logs (a JobSet kept for its pods' logs); never its outputs. Idempotent; may raise (the platform
+        away): the caller logs it, and what is left stays (a JobSet until its TTL)."""
+
 
 class ExecutorUnavailable(RuntimeError):
     """The platform did not answer (after retries); the dispatcher tries again on its next pass."""

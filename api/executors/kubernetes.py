@@ -683,6 +683,13 @@ class KubernetesExecutor:
         self.kube.delete_secret(render.secret_name(job.id))
         self.kube.delete_config_map(render.config_map_name(job.id))
 
+    def forget(self, job: Job) -> None:
+        """Delete the JobSet of an ended job deleted (kept until TPUTUNE_K8S_TTL_SECONDS_AFTER_FINISHED, or a
+        failed one's until it is resumed, for its pods' logs), its Secret and ConfigMap (not waited for)."""
+        self.kube.delete_jobset(render.jobset_name(job.id))
+        self.kube.delete_secret(render.secret_name(job.id))
+        self.kube.delete_config_map(render.config_map_name(job.id))
+
     def restart(self, job: Job, token: str) -> dict[str, Any]:
         raise RuntimeError(
             "JobSets restart their own workers (failurePolicy); the kubernetes executor never reports a "

@@ -200,6 +200,11 @@ class LocalExecutor:
         for record in (EXIT_FILE, RUNNER_FILE):
             (job_dir / record).unlink(missing_ok=True)
 
+    def forget(self, job: Job) -> None:
+        self._children.pop(job.id, None)
+        self._cancel_started.pop(job.id, None)
+        remove_records(self.job_dir(job))
+
     def logs(self, job: Job, tail: int) -> tuple[list[str], bool]:
         path = self.job_dir(job) / LOG_FILE
         try:

@@ -46,6 +46,7 @@ function setStatus(status) {
   $("cancel").disabled = FINAL_STATUSES.has(status) || status === "cancelling";
   $("pause").disabled = !PAUSABLE.has(status);
   $("resume").disabled = !RESUMABLE.has(status);
+  $("delete").disabled = !FINAL_STATUSES.has(status);
 }
 
 let queueTimer = null;
@@ -305,6 +306,23 @@ $("cancel").addEventListener("click", async () => {
   } catch (error) {
     $("cancel-error").textContent = error.message;
     $("cancel-error").hidden = false;
+    loadJob().catch(showLoadError);
+  }
+});
+
+// Delete an ended job: asked first (it cannot be undone); done, back to the jobs list.
+$("delete").addEventListener("click", async () => {
+  const where = job.output_uri ? ` Its outputs stay at ${job.output_uri}.` : "";
+  if (!confirm(`Delete job ${job.name} with its events and logs? This cannot be undone.${where}`)) return;
+  $("delete").disabled = true;
+  $("action-error").hidden = true;
+  $("cancel-error").hidden = true;
+  try {
+    await api(base, { method: "DELETE" });
+    window.location.assign("/ui/");
+  } catch (error) {
+    $("action-error").textContent = error.message;
+    $("action-error").hidden = false;
     loadJob().catch(showLoadError);
   }
 });
