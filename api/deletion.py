@@ -37,7 +37,7 @@ from api.jobs import get_job
 from api.models import IdempotencyKey, Job, UsageSpan, utcnow
 from api.settings import Settings
 from api.states import FINAL
-from api.tenants import holding_spans
+from api.tenants import holding_spans, shape_of
 from api.webhooks import deliver_before_deleting
 
 log = logging.getLogger(__name__)
@@ -138,17 +138,17 @@ def _delete(session: Session, seqs: Sequence[int]) -> list[Job]:
     found = list(session.exec(query.execution_options(populate_existing=True)).all())
     if not found:
         return []
+    seqs = [job.seq for job in found]  # type: ignore[misc]
+    # (each job's resources as `spent` reads them: its spec's JSON text, as the database writes it)
+    shapes = dict(session.execute(sa_select(jobs.c.seq, shape_of(jobs.c)).where(jobs.c.seq.in_(seqs))).all())
     spans = []
     for job in found:
-        resources = session.execute(
-            sa_select(jobs.c.spec["resources"].as_string()).where(jobs.c.seq == job.seq)
-        ).scalar_one()
         for began, ended_at in holding_spans(session, job):
             spans.append(
                 {
                     "job_id": job.id,
                     "tenant": job.tenant,
-                    "resources": resources or "{}",
+                    "resources": shapes[job.seq] or "{}",
                     "began": began,
                     "ended": ended_at,
                     "trained_tokens": job.trained_tokens,
@@ -156,7 +156,6 @@ def _delete(session: Session, seqs: Sequence[int]) -> list[Job]:
             )
     if spans:
         session.execute(UsageSpan.__table__.insert(), spans)  # type: ignore[attr-defined]
-    seqs = [job.seq for job in found]  # type: ignore[misc]
     deliver_before_deleting(session, seqs)
     for tenant in {job.tenant for job in found}:
         ids = [job.id for job in found if job.tenant == tenant]

@@ -148,7 +148,7 @@ STOPPING = (JobStatus.cancelling.value, JobStatus.pausing.value)
 LAUNCH = "launch"  # (the type of a job's launch event)
 
 
-def _shape(c: Any) -> Any:
+def shape_of(c: Any) -> Any:
     """A job's resources (its spec's), as JSON text: what its chips are counted from."""
     return c.spec["resources"].as_string()
 
@@ -168,7 +168,7 @@ def _spans() -> Any:
         sa_select(
             c.seq.label("job"),
             c.tenant.label("tenant"),
-            _shape(c).label("shape"),
+            shape_of(c).label("shape"),
             c.trained_tokens.label("tokens"),
             case((e.type == LAUNCH, literal(LAUNCH)), else_=status).label("status"),
             func.coalesce(e.data["from"].as_string(), "").label("moved_from"),
@@ -261,7 +261,7 @@ def spent(
     since_p, until_p = literal(since, at), literal(until, at)
     ended_after = or_(c.finished_at.is_(None), c.finished_at > since)
     own = [c.tenant == tenant] if tenant is not None else []
-    shape = _shape(c)
+    shape = shape_of(c)
     # A job never preempted held its chips from its (last) admission until it ended (or now): its row says.
     plain = sa_select(
         c.tenant,

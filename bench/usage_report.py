@@ -7,7 +7,10 @@ through the app in-process (TestClient: the route, its query and the JSON), as a
 the last 30 days: about half the jobs) and as one tenant. Median wall time of `--rounds` calls. Then
 migrations 0008 and 0009 as on a database from before them, timed: the report must be the same after,
 and each job's `held_seconds` what the API had written. Last, each job's own chip-hours (its `usage`),
-summed by tenant, against the report over all time. Last line: one JSON object.
+summed by tenant, against the report over all time. Then the retention (TPUTUNE_JOB_RETENTION_DAYS=30:
+api.deletion, as the dispatcher's hourly pass runs it) deletes the jobs that ended more than 30 days ago,
+timed with its longest transaction; the reports must be the same after (what a deleted job used is kept
+apart: usage_spans), and are timed again. Last line: one JSON object.
 
     .venv/bin/python bench/usage_report.py                          # SQLite and PostgreSQL, 100,000 jobs
     .venv/bin/python bench/usage_report.py --databases sqlite --jobs 10000
@@ -189,6 +192,7 @@ def measure(url: str, jobs: int, rounds: int, workdir: Path) -> dict[str, Any]:
     own = sum(job_chip_hours(url).values())
     if abs(reported - own) > 1e-5 * own + 0.01:  # (each figure rounded as the API shows it)
         raise SystemExit(f"over all time the report counts {reported} chip-hours, the jobs' own {own}")
+    retention = retain(settings, client_reports=(every, ever), rounds=rounds)
     return {
         "jobs": jobs,
         "seed_s": round(seeded, 1),
@@ -199,6 +203,59 @@ def measure(url: str, jobs: int, rounds: int, workdir: Path) -> dict[str, Any]:
         "migration_0009_s": round(migrated_s["0009"], 1),
         "reported_chip_hours": round(reported, 1),
         "jobs_own_chip_hours": round(own, 1),
+        **retention,
+    }
+
+
+RETENTION_DAYS = 30
+
+
+def retain(settings: Settings, client_reports: tuple[dict[str, Any], ...], rounds: int) -> dict[str, Any]:
+    """Delete the jobs that ended more than RETENTION_DAYS ago as the retention does; the same reports
+    after (fails otherwise), and their times."""
+    from api import deletion
+    from api.db import make_engine
+
+    engine = make_engine(settings.resolved_database_url, 2)
+    longest = 0.0
+    delete = deletion._delete
+
+    def timed_delete(session: Any, seqs: Any) -> Any:  # (a batch: its transaction, less its commit)
+        nonlocal longest
+        began = time.perf_counter()
+        try:
+            return delete(session, seqs)
+        finally:
+            longest = max(longest, time.perf_counter() - began)
+
+    deletion._delete = timed_delete  # type: ignore[assignment]
+    try:
+        began = time.monotonic()
+        deleted = deletion.delete_ended_before(
+            engine, utcnow() - timedelta(days=RETENTION_DAYS), forget=lambda job: None
+        )
+        took = time.monotonic() - began
+    finally:
+        deletion._delete = delete  # type: ignore[assignment]
+    engine.dispose()
+    every, ever = client_reports
+    with TestClient(create_app(settings)) as client:
+        every_ms, every_after = timed(client, rounds, since=every["since"], until=every["until"])
+        _, ever_after = timed(client, 1, since=ever["since"], until=ever["until"])
+    for name, was, now in [("30 days", every, every_after), ("all time", ever, ever_after)]:
+        for row, after in zip(was["data"], now["data"], strict=True):
+            same = (row["tenant"], row["jobs"], row["trained_tokens"]) == (
+                after["tenant"],
+                after["jobs"],
+                after["trained_tokens"],
+            )
+            if not same or abs(row["chip_hours"] - after["chip_hours"]) > 1e-3:
+                raise SystemExit(f"the report over {name} changed with the retention: {row} -> {after}")
+    return {
+        "retention_deleted_jobs": deleted,
+        "retention_s": round(took, 1),
+        "retention_longest_batch_ms": round(longest * 1000, 1),
+        "every_tenant_after_retention_ms": round(every_ms, 1),
     }
 
 
@@ -235,6 +292,12 @@ def job_chip_hours(url: str) -> dict[str, float]:
     return found
 
 
+def deletion_batch() -> int:
+    from api import deletion
+
+    return deletion.BATCH
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--databases", default="sqlite,postgres", help="comma-separated (sqlite,postgres)")
@@ -254,7 +317,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"events) {row['migration_0008_s']:.1f} s and 0009 (held_seconds) "
                 f"{row['migration_0009_s']:.1f} s, the same report and held_seconds after them; "
                 f"chip-hours ever: report {row['reported_chip_hours']:,.1f}, jobs' own "
-                f"{row['jobs_own_chip_hours']:,.1f}",
+                f"{row['jobs_own_chip_hours']:,.1f}; retention ({RETENTION_DAYS} days) deleted "
+                f"{row['retention_deleted_jobs']:,} jobs in {row['retention_s']:.1f} s (longest batch of "
+                f"{deletion_batch()} {row['retention_longest_batch_ms']:.0f} ms), the same reports after, "
+                f"every tenant's {row['every_tenant_after_retention_ms']:.1f} ms",
                 flush=True,
             )
             figures.append(row)
