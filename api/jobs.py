@@ -1151,7 +1151,11 @@ def ingest_progress(session: Session, job: Job, batch: ProgressBatch) -> Progres
                 "dedupe_key": dedupe_key,
             }
         )
-    inserted = _insert_ignore(session, rows)
+    try:
+        inserted = _insert_ignore(session, rows)
+    except IntegrityError:  # (the job deleted since its token was checked: its foreign key refuses them)
+        session.rollback()
+        raise invalid_job_token() from None
     fresh = [by_key[k] for k in by_key if k in inserted]
     values = _aggregate(job, fresh)
     if batch.reports:

@@ -20,6 +20,7 @@ from sqlmodel import Session, col, select
 from api import deletion, housekeeping
 from api import jobs as service
 from api.cli import main
+from api.errors import ApiError
 from api.models import IdempotencyKey, Job, JobEvent, JobLog, JobMetadata, UsageSpan, utcnow
 from api.settings import Settings
 from api.states import JobStatus
@@ -293,3 +294,22 @@ def test_a_jobs_rows_go_by_the_foreign_keys(app_client: TestClient) -> None:
                 for row in session.exec(text(f"PRAGMA foreign_key_list({table})")).all()  # type: ignore[call-overload]
             ]
         assert {table: rule for table, rule in rules if table in tables} == dict.fromkeys(tables, "CASCADE")
+
+
+def test_a_report_for_a_job_deleted_after_its_token_was_checked_is_a_401(
+    app_client: TestClient, dataset: Path
+) -> None:
+    """A worker's late report (a retry) as its ended job is deleted: the job's rows refused by their
+    foreign key are the job token's 401, as for a job that is not there, not a 500."""
+    client = app_client
+    research = bearer(make_key(client, "research"))
+    job_id = submit(client, research, dataset)
+    move(client, job_id, JobStatus.starting, JobStatus.running, JobStatus.succeeded)
+    engine = client.app.state.engine  # type: ignore[attr-defined]
+    late = ProgressBatch.model_validate({"reports": [{"kind": "metrics", "step": 9, "loss": 1.0}]})
+    with Session(engine) as session:
+        job = session.exec(select(Job).where(Job.id == job_id)).one()  # (as the route's token check read it)
+        assert client.delete(f"/jobs/{job_id}", headers=research).status_code == 200
+        with pytest.raises(ApiError) as refused:
+            service.ingest_progress(session, job, late)
+    assert (refused.value.status, refused.value.code) == (401, "invalid_job_token")
