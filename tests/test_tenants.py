@@ -983,6 +983,31 @@ def test_a_job_held_by_kueue_then_paused_is_charged_as_its_own_usage_says(
     assert rows["research"]["chip_hours"] == pytest.approx(job["usage"]["chip_hours"], abs=1e-3)
 
 
+def test_a_job_held_by_kueue_after_its_launch_is_charged_as_its_own_usage_says(
+    app_client: TestClient, dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Held back by Kueue after its launch (it went back to `queued`, not a preemption: it was not running),
+    then cancelled, or let run: the report reads its moves, as for a preempted one (its row's `admitted_at`
+    is its last admission, or none), and counts what its own `usage` counts."""
+    research = bearer(make_key(app_client, "research"))
+    engine = app_client.app.state.engine  # type: ignore[attr-defined]
+    histories = [
+        [("launch", 6), ("queued", 5.9), ("cancelling", 5), ("cancelled", 4.9)],  # 0.1 h
+        [("launch", 4), ("queued", 3.9), ("starting", 3), ("running", 2.9), ("succeeded", 2)],  # 0.1 + 1 h
+    ]
+    own = []
+    for moves in histories:
+        job_id = str(app_client.post("/jobs", json=body(dataset, 1), headers=research).json()["id"])
+        replay(engine, monkeypatch, job_id, moves)
+        monkeypatch.undo()
+        job = app_client.get(f"/jobs/{job_id}", headers=research).json()
+        assert job["preemptions"] == job["pauses"] == job["retries"] == 0
+        own.append(job["usage"]["chip_hours"])
+    assert own == [pytest.approx(0.1, abs=1e-3), pytest.approx(1.1, abs=1e-3)]
+    [row] = app_client.get("/usage", headers=research).json()["data"]
+    assert (row["jobs"], row["chip_hours"]) == (2, pytest.approx(sum(own), abs=1e-3))
+
+
 def test_deleted_jobs_stay_counted_in_usage(
     app_client: TestClient, dataset: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1032,8 +1057,9 @@ def test_deleted_jobs_stay_counted_in_usage(
         return found
 
     before = reports()
-    # (not the one that never ran, nor the one Kueue held; the 40-day-old one's last day, 11 in 45 days)
-    assert [(row[0], row[1]) for row in before[0]] == [("research", 4), ("vision", 3)]
+    # (not the one that never ran; the one Kueue held, for the 0.1 h from its launch; the 40-day-old one's
+    # last day, 11 in 45 days)
+    assert [(row[0], row[1]) for row in before[0]] == [("research", 4), ("vision", 4)]
     assert before[-1][1][2] == pytest.approx(before[0][1][2] + 10 * day, abs=1e-3)
     for job_id, (key, *_) in zip(ids[:-1], histories, strict=False):
         deleted = app_client.delete(f"/jobs/{job_id}", headers=key)
