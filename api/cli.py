@@ -214,6 +214,10 @@ def list_jobs(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(page, indent=2))
         return 0
+    if args.quiet:
+        for job in page["data"]:
+            print(job["id"])
+        return 0
     # A tenant column when the page holds more than one tenant's jobs (the admin key sees them all).
     tenants = len({job["tenant"] for job in page["data"]}) > 1
     head = f"{'TENANT':<16} " if tenants else ""
@@ -687,7 +691,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--after", help="a job id: list the jobs older than it (the next page)")
     p.add_argument("--tenant", help="only this tenant's jobs (the admin key lists every tenant's)")
-    p.add_argument("--json", action="store_true")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--json", action="store_true")
+    which.add_argument(
+        "--quiet", "-q", action="store_true", help="only the jobs' ids (e.g. for tputune delete $(...))"
+    )
     p.set_defaults(func=list_jobs)
 
     p = commands.add_parser("status", help="show a job")

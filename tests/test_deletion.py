@@ -253,6 +253,8 @@ def test_a_local_jobs_records_go_and_its_outputs_stay(live_api, dataset: Path, c
         (inside / "output" / "model.safetensors").write_text("weights")
         assert {"config.json", "worker.log", "runner.json", "exit.json"} <= {p.name for p in inside.iterdir()}
         assert http.get(f"/jobs/{ids[0]}/logs").json()["lines"]
+        assert main(["--api-url", api.url, "list", "--status", "succeeded", "-q"]) == 0
+        assert capsys.readouterr().out.split() == ids[::-1]  # (newest first)
         code = main(["--api-url", api.url, "delete", ids[0], ids[1], "ft-nosuchjob"])
         out, err = capsys.readouterr()
         assert code == 3
