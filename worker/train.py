@@ -21,6 +21,7 @@ import secrets
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -331,6 +332,34 @@ def out_of_memory(error: BaseException) -> str | None:
     )
 
 
+_ROOT = Path(__file__).resolve().parent.parent
+_OWN = ("worker/", "api/")
+
+
+def where(error: BaseException) -> str:
+    """Where `error` came from, for an internal error's message (the traceback is in the worker's log, which
+    on GKE goes with its pod): the deepest line of tputune's own code it passed through, and the line that
+    raised it where that is elsewhere (a library), as " (at worker/data.py:444 in __init__; raised in
+    numpy/_core/fromnumeric.py:57 in _wrapfunc)"; "" without a traceback."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return ""
+
+    def name(frame: traceback.FrameSummary) -> str:
+        path = frame.filename
+        if path.startswith(str(_ROOT) + os.sep):
+            path = os.path.relpath(path, _ROOT)
+        elif "site-packages" + os.sep in path:
+            path = path.rpartition("site-packages" + os.sep)[2]
+        return f"{path}:{frame.lineno} in {frame.name}"
+
+    own = [frame for frame in frames if name(frame).startswith(_OWN)]
+    parts = [f"at {name(own[-1])}"] if own else []
+    if not own or own[-1] is not frames[-1]:
+        parts.append(f"raised in {name(frames[-1])}")
+    return f" ({'; '.join(parts)})"
+
+
 class StopSignals:
     """While installed, SIGTERM (and Ctrl-C) asks the run to stop after the current step with a checkpoint."""
 
@@ -368,7 +397,7 @@ def run(config: WorkerConfig, reporter: Reporter, options: RunOptions | None = N
         else:
             code, message, step, exit_code = (
                 "internal_error",
-                f"{type(error).__name__}: {error}",
+                f"{type(error).__name__}: {error}{where(error)}",
                 0,
                 EXIT_FAILED,
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from tests.worker.helpers import (  # noqa: F401
     start_worker,
     tiny_config,
 )
+from worker import data as worker_data
 from worker import model as gemma
 from worker import train
 from worker.checkpoint import export_params
@@ -261,6 +263,32 @@ def test_bad_data_fails_before_compiling(tmp_path: Path, tiny_tokenizer_path: Pa
     (error,) = recorder.of_kind("error")
     assert error.code == "dataset_not_found" and "missing.txt" in error.message
     assert not [s for s in recorder.of_kind("status") if s.phase == "compiling"]
+
+
+def test_an_internal_error_says_where_it_came_from(
+    tmp_path: Path, story_corpus: Path, tiny_tokenizer_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault of tputune's own (here packing, broken): the job's error names the line of tputune's code it
+    came through and the one that raised it, as the traceback in the log would (on GKE gone with the pod)."""
+
+    def broken_pack(lengths: Any, row_len: int) -> Any:
+        return {}["rows"]
+
+    monkeypatch.setattr(worker_data, "pack", broken_pack)
+    recorder = Recorder()
+    assert (
+        train.run(tiny_config(tmp_path, story_corpus, tiny_tokenizer_path), recorder, TEST_OPTIONS)
+        == EXIT_FAILED
+    )
+    (error,) = recorder.of_kind("error")
+    assert error.code == "internal_error"
+    line = next(
+        n
+        for n, text in enumerate(Path(worker_data.__file__).read_text().splitlines(), 1)
+        if "= pack(" in text
+    )
+    assert error.message.startswith(f"KeyError: 'rows' (at worker/data.py:{line} in __init__; raised in ")
+    assert error.message.endswith(" in broken_pack)") and "tests/worker/test_train.py:" in error.message
 
 
 @pytest.mark.slow
