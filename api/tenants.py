@@ -248,11 +248,11 @@ def spent(
     A job never preempted (`Job.preemptions`), paused (`Job.pauses`), resumed after it failed
     (`Job.retries`) nor held back by Kueue after its launch (`Job.held_seconds`: it let its chips go) held
     them from when it was last admitted (`admitted_at`: a wait for admission comes before) until it ended:
-    its row says when. Another's moves (its status events) are read: it held its
-    chips in each of those statuses until its next move. Summed in the database, by tenant and resources
-    (a few shapes serve many jobs). With 50,000 jobs in the window, 5% of them preempted: 0.31 s on
-    SQLite, 0.19 s on PostgreSQL; reading every job's moves (250,000) took 0.67 s and 0.57 s
-    (bench/usage_report.py)."""
+    its row says when. Another's moves (its status events) are read: it held its chips in each of those
+    statuses until its next move. A deleted job's stretches were kept as it went (`UsageSpan`). Summed in
+    the database, by tenant and resources (a few shapes serve many jobs). With 50,000 jobs in the window,
+    5% of them preempted: 0.31 s on SQLite, 0.19 s on PostgreSQL; reading every job's moves (250,000) took
+    0.67 s and 0.57 s (bench/usage_report.py)."""
     until = min(until, utcnow())  # (what runs now has run until now)
     if since >= until:
         return {}

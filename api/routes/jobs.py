@@ -337,10 +337,9 @@ def cancel_job(
 def delete_job(job_id: str, session: SessionDep, principal: PrincipalDep, executor: ExecutorDep) -> Response:
     """Delete a job that ended (succeeded, failed or cancelled) with its events, loss history, metadata
     and saved logs (on the local executor, its config and workers' logs too; on GKE, its JobSet if it is
-    still there). Its outputs are not deleted:
-    the model and checkpoints stay at its `output_uri`. What it used stays counted in GET /usage and its
-    team's chip-hours. Recorded in the audit log (`job.deleted`). Jobs that ended long ago go by
-    themselves where the server sets TPUTUNE_JOB_RETENTION_DAYS."""
+    still there). Its outputs are not deleted: the model and checkpoints stay at its `output_uri`. What it
+    used stays counted in GET /usage and its team's chip-hours. Recorded in the audit log (`job.deleted`).
+    Jobs that ended long ago go by themselves where the server sets TPUTUNE_JOB_RETENTION_DAYS."""
     job = deletion.delete_job(session, principal, job_id, executor.forget)
     return json_response(JobDeleted(id=job.id, output_uri=job.output_uri))
 
