@@ -456,6 +456,20 @@ def write_deliveries(
     return pairs
 
 
+def _with_jobs(events: Any, jobs: Any) -> Any:
+    """SELECT of the status events of `events` (the table, or a page of it) with what their deliveries'
+    bodies need of their jobs (`write_deliveries`)."""
+    return sa_select(
+        events.c.id,
+        events.c.created_at,
+        events.c.data,
+        jobs.c.id.label("job_id"),
+        jobs.c.tenant,
+        jobs.c.error_code,
+        jobs.c.error_message,
+    ).join(jobs, jobs.c.seq == events.c.job_seq)
+
+
 def deliver_before_deleting(session: Session, job_seqs: Sequence[int]) -> int:
     """Write the deliveries of the jobs' status events that the sender has not read yet (those after its
     cursor), in the transaction that deletes the jobs: their events go with them, and a job deleted as it
@@ -467,16 +481,7 @@ def deliver_before_deleting(session: Session, job_seqs: Sequence[int]) -> int:
     cursor = session.get(WebhookCursor, 1)
     events, jobs = JobEvent.__table__, Job.__table__  # type: ignore[attr-defined]
     query = (
-        sa_select(
-            events.c.id,
-            events.c.created_at,
-            events.c.data,
-            jobs.c.id.label("job_id"),
-            jobs.c.tenant,
-            jobs.c.error_code,
-            jobs.c.error_message,
-        )
-        .join(jobs, jobs.c.seq == events.c.job_seq)
+        _with_jobs(events, jobs)
         .where(
             events.c.job_seq.in_(job_seqs),
             events.c.type == "status",
@@ -666,19 +671,7 @@ class WebhookSender:
         if limit is not None:
             page = page.limit(limit)
         read = page.subquery()
-        query = (
-            sa_select(
-                read.c.id,
-                read.c.created_at,
-                read.c.data,
-                jobs.c.id.label("job_id"),
-                jobs.c.tenant,
-                jobs.c.error_code,
-                jobs.c.error_message,
-            )
-            .join(jobs, jobs.c.seq == read.c.job_seq)
-            .order_by(read.c.id)
-        )
+        query = _with_jobs(read, jobs).order_by(read.c.id)
         rows = list(session.connection().execute(query).all())
         last = rows[-1].id if rows else None
         full = limit is not None and len(rows) == limit
