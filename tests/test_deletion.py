@@ -27,6 +27,7 @@ from api.states import JobStatus
 from api.tenants import spent
 from tests.test_auth import ADMIN, bearer, make_key
 from tests.test_tenants import body, server
+from tests.test_webhooks import move
 from worker.protocol import ProgressBatch
 
 
@@ -40,14 +41,6 @@ def submit(client: TestClient, key: dict[str, str], dataset: Path, **headers: st
     response = client.post("/jobs", json=body(dataset), headers={**key, **headers})
     assert response.status_code == 201, response.text
     return str(response.json()["id"])
-
-
-def move(client: TestClient, job_id: str, *statuses: JobStatus) -> None:
-    """Move the job as the dispatcher and workers do (api.jobs.transition)."""
-    with Session(client.app.state.engine, expire_on_commit=False) as session:  # type: ignore[attr-defined]
-        job = session.exec(select(Job).where(Job.id == job_id)).one()
-        for status in statuses:
-            assert service.transition(session, job, status)
 
 
 def rows_of(client: TestClient, seq: int) -> dict[str, int]:
