@@ -230,16 +230,13 @@ def retain(settings: Settings, client_reports: tuple[dict[str, Any], ...], round
 
     deletion._delete = timed_delete  # type: ignore[assignment]
     try:
+        before = utcnow() - timedelta(days=RETENTION_DAYS)
         began = time.monotonic()
-        deleted = deletion.delete_ended_before(
-            engine, utcnow() - timedelta(days=RETENTION_DAYS), forget=lambda job: None
-        )
+        deleted = deletion.delete_ended_before(engine, before, forget=lambda job: None)
         took = time.monotonic() - began
-        # The next hourly pass, which finds nothing more to delete (the jobs left ended within 30 days).
+        # A pass that finds nothing to delete (the jobs left ended after `before`), as most hourly ones.
         began = time.perf_counter()
-        again = deletion.delete_ended_before(
-            engine, utcnow() - timedelta(days=RETENTION_DAYS), forget=lambda job: None
-        )
+        again = deletion.delete_ended_before(engine, before, forget=lambda job: None)
         idle_ms = (time.perf_counter() - began) * 1000
         assert again == 0, again
     finally:
