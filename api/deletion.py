@@ -32,10 +32,8 @@ from api import audit
 from api.auth import Principal
 from api.db import session_scope
 from api.errors import ApiError
-from api.executors.local import remove_records
 from api.jobs import get_job
 from api.models import IdempotencyKey, Job, UsageSpan, utcnow
-from api.settings import Settings
 from api.states import FINAL
 from api.tenants import holding_spans, shape_of
 from api.webhooks import deliver_before_deleting
@@ -56,12 +54,6 @@ def not_ended(job: Job) -> ApiError:
 
 
 Forget = Callable[[Job], None]
-
-
-def records_only(settings: Settings) -> Forget:
-    """What forgets a deleted job's run without an executor at hand: its records in the local job
-    directory (api.executors.local.remove_records), where there is one."""
-    return lambda job: remove_records(settings.jobs_dir / job.id)
 
 
 def delete_job(session: Session, principal: Principal, job_id: str, forget: Forget) -> Job:
@@ -98,14 +90,14 @@ def delete_job(session: Session, principal: Principal, job_id: str, forget: Forg
 def delete_ended_before(engine: Engine, before: datetime, forget: Forget) -> int:
     """Delete every job that ended before `before`, BATCH a transaction (the oldest first); how many went.
     (Not one audit event each: the server's setting deleted them, and its log says how many.)"""
-    deleted, batch = 0, BATCH
+    deleted = 0
     while True:
         with session_scope(engine) as session:
             query = (
                 sa_select(Job.seq)  # type: ignore[call-overload]
                 .where(col(Job.status).in_(ENDED), col(Job.finished_at) < before)
                 .order_by(col(Job.seq))
-                .limit(batch)
+                .limit(BATCH)
             )
             seqs = list(session.execute(query).scalars())
             if not seqs:
@@ -115,7 +107,7 @@ def delete_ended_before(engine: Engine, before: datetime, forget: Forget) -> int
         for job in gone:
             _forget(forget, job)
         deleted += len(gone)
-        if len(seqs) < batch:
+        if len(seqs) < BATCH:
             return deleted
 
 
@@ -134,28 +126,28 @@ def _delete(session: Session, seqs: Sequence[int]) -> list[Job]:
     # Claimed first: written, their rows are this transaction's until it ends (a resume waits, then finds
     # none), and what is read next is what is deleted.
     session.execute(update(jobs).where(*ended).values(updated_at=utcnow()))
-    query = select(Job).where(col(Job.seq).in_(seqs), col(Job.status).in_(ENDED))
-    found = list(session.exec(query.execution_options(populate_existing=True)).all())
-    if not found:
+    # (with each job's resources as `spent` reads them: its spec's JSON text, as the database writes it)
+    query = select(Job, shape_of(jobs.c)).where(col(Job.seq).in_(seqs), col(Job.status).in_(ENDED))
+    rows = session.exec(query.execution_options(populate_existing=True)).all()
+    if not rows:
         return []
-    seqs = [job.seq for job in found]  # type: ignore[misc]
-    # (each job's resources as `spent` reads them: its spec's JSON text, as the database writes it)
-    shapes = dict(session.execute(sa_select(jobs.c.seq, shape_of(jobs.c)).where(jobs.c.seq.in_(seqs))).all())
-    spans = []
-    for job in found:
-        for began, ended_at in holding_spans(session, job):
-            spans.append(
-                {
-                    "job_id": job.id,
-                    "tenant": job.tenant,
-                    "resources": shapes[job.seq] or "{}",
-                    "began": began,
-                    "ended": ended_at,
-                    "trained_tokens": job.trained_tokens,
-                }
-            )
+    found = [job for job, _ in rows]
+    stretches = holding_spans(session, found)
+    spans = [
+        {
+            "job_id": job.id,
+            "tenant": job.tenant,
+            "resources": resources or "{}",
+            "began": began,
+            "ended": ended,
+            "trained_tokens": job.trained_tokens,
+        }
+        for job, resources in rows
+        for began, ended in stretches[job.seq]  # type: ignore[index]
+    ]
     if spans:
         session.execute(UsageSpan.__table__.insert(), spans)  # type: ignore[attr-defined]
+    seqs = [job.seq for job in found]  # type: ignore[misc]
     deliver_before_deleting(session, seqs)
     for tenant in {job.tenant for job in found}:
         ids = [job.id for job in found if job.tenant == tenant]

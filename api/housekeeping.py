@@ -36,13 +36,12 @@ def prune(
     engine: Engine, settings: Settings, now: datetime | None = None, forget: deletion.Forget | None = None
 ) -> dict[str, int]:
     """Delete what is past its time; how many rows of each table went. `forget`: what removes what is left
-    of a deleted job's runs (the executor's; None: its local records only)."""
+    of a deleted job's runs (the executor's; None: nothing outside the database)."""
     now = now or utcnow()
     pruned = {"idempotency_keys": 0, "audit_events": 0, "jobs": 0}
     if settings.job_retention_days is not None:
         jobs_before = now - timedelta(days=settings.job_retention_days)
-        forget = forget or deletion.records_only(settings)
-        pruned["jobs"] = deletion.delete_ended_before(engine, jobs_before, forget)
+        pruned["jobs"] = deletion.delete_ended_before(engine, jobs_before, forget or (lambda job: None))
     with session_scope(engine) as session:
         keys_before = now - timedelta(hours=settings.idempotency_key_hours)
         result = session.execute(delete(IdempotencyKey).where(col(IdempotencyKey.created_at) < keys_before))

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -199,18 +200,28 @@ def _holding(s: Any) -> list[Any]:
     ]
 
 
-def holding_spans(session: Session, job: Job) -> list[tuple[datetime, datetime]]:
-    """When an ended `job` held its chips, as `spent` counts them: from when to when, each stretch."""
-    if not (job.preemptions or job.pauses or job.retries or job.held_seconds):
-        if job.admitted_at is None:
-            return []  # (it never ran)
-        assert job.finished_at is not None
-        return [(job.admitted_at, job.finished_at)]
-    s = _spans().c
-    query = sa_select(s.began, s.ended).where(*_holding(s)).order_by(s.began)
-    found = session.connection().execute(query, {"jobs": [job.seq]}).all()
-    assert job.finished_at is not None
-    return [(began, ended if ended is not None else job.finished_at) for began, ended in found]
+# A job with any of these was preempted, paused, resumed after it failed, or let its chips go otherwise
+# (`held_seconds`: Kueue held it back after its launch, before it ran): `spent` reads its moves; for the
+# others their row says when they held their chips.
+INTERRUPTED = ("preemptions", "pauses", "retries", "held_seconds")
+
+
+def holding_spans(session: Session, jobs: Sequence[Job]) -> dict[int, list[tuple[datetime, datetime]]]:
+    """When each of the ended `jobs` held its chips, as `spent` counts them: from when to when, each
+    stretch, by seq (the moves of those interrupted read in one query)."""
+    found: dict[int, list[tuple[datetime, datetime]]] = {}
+    moved = {job.seq: job for job in jobs if any(getattr(job, name) for name in INTERRUPTED)}
+    for job in jobs:
+        assert job.seq is not None and job.finished_at is not None
+        found[job.seq] = []
+        if job.seq not in moved and job.admitted_at is not None:  # (admitted_at None: it never ran)
+            found[job.seq].append((job.admitted_at, job.finished_at))
+    if moved:
+        s = _spans().c
+        query = sa_select(s.job, s.began, s.ended).where(*_holding(s)).order_by(s.job, s.began)
+        for seq, began, ended in session.connection().execute(query, {"jobs": list(moved)}):
+            found[seq].append((began, ended or moved[seq].finished_at))  # type: ignore[arg-type]
+    return found
 
 
 def _deleted_jobs_spent(session: Session, since: Any, until: Any, tenant: str | None) -> Any:
@@ -272,9 +283,7 @@ def spent(
         func.sum(c.trained_tokens),
     )
     admitted = [c.admitted_at.is_not(None), c.admitted_at < until, ended_after]
-    # Any of them, its moves are read (below): preempted, paused, resumed after it failed, or one that let
-    # its chips go otherwise (`held_seconds`: Kueue held it back after its launch, before it ran).
-    interrupted = (c.preemptions, c.pauses, c.retries, c.held_seconds)
+    interrupted = [c[name] for name in INTERRUPTED]  # (any of them: its moves are read, below)
     plain = plain.where(*(count == 0 for count in interrupted), *admitted, *own).group_by(c.tenant, shape)
     s = _spans().c
     # Each job that held its chips in the window, for how long; then by tenant and shape.

@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from fastapi.testclient import TestClient  # noqa: E402
 from sqlalchemy import insert, select  # noqa: E402
 
+from api import deletion  # noqa: E402
 from api.jobs import new_job_id  # noqa: E402
 from api.main import create_app  # noqa: E402
 from api.migrate import downgrade, upgrade  # noqa: E402
@@ -213,7 +214,6 @@ RETENTION_DAYS = 30
 def retain(settings: Settings, client_reports: tuple[dict[str, Any], ...], rounds: int) -> dict[str, Any]:
     """Delete the jobs that ended more than RETENTION_DAYS ago as the retention does; the same reports
     after (fails otherwise), and their times."""
-    from api import deletion
     from api.db import make_engine
 
     engine = make_engine(settings.resolved_database_url, 2)
@@ -305,12 +305,6 @@ def job_chip_hours(url: str) -> dict[str, float]:
     return found
 
 
-def deletion_batch() -> int:
-    from api import deletion
-
-    return deletion.BATCH
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--databases", default="sqlite,postgres", help="comma-separated (sqlite,postgres)")
@@ -332,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"chip-hours ever: report {row['reported_chip_hours']:,.1f}, jobs' own "
                 f"{row['jobs_own_chip_hours']:,.1f}; retention ({RETENTION_DAYS} days) deleted "
                 f"{row['retention_deleted_jobs']:,} jobs in {row['retention_s']:.1f} s (longest batch of "
-                f"{deletion_batch()} {row['retention_longest_batch_ms']:.0f} ms; a pass with nothing to "
+                f"{deletion.BATCH} {row['retention_longest_batch_ms']:.0f} ms; a pass with nothing to "
                 f"delete {row['retention_idle_pass_ms']:.1f} ms), the same reports after, "
                 f"every tenant's {row['every_tenant_after_retention_ms']:.1f} ms"
                 + (

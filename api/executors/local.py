@@ -58,23 +58,6 @@ def _runner_of(job_id: str) -> int | None:
     return None
 
 
-def remove_records(job_dir: Path) -> None:
-    """Delete what a deleted job's runs left in its directory: its config, its runner's records and log,
-    its workers' logs (not its outputs, where they are in it: the default output_uri); the directory too
-    if that left it empty."""
-    if not job_dir.is_dir():
-        return
-    for path in job_dir.iterdir():
-        name = path.name
-        worker_log = name.startswith("worker") and name.endswith(".log")
-        record = name in (CONFIG_FILE, EXIT_FILE, RUNNER_FILE, "runner.log") or worker_log
-        leftover = name.startswith(".") and name.endswith(".tmp")  # (write_json_atomic's, cut short)
-        if (record or leftover) and path.is_file():
-            path.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):  # (its outputs are in it)
-        job_dir.rmdir()
-
-
 class LocalExecutor:
     name = "local"
     logs_outlive_runs = True
@@ -201,9 +184,23 @@ class LocalExecutor:
             (job_dir / record).unlink(missing_ok=True)
 
     def forget(self, job: Job) -> None:
+        """What a deleted job's runs left in its directory: its config, its runner's records and log, its
+        workers' logs (not its outputs, where they are in it: the default output_uri); the directory too if
+        that left it empty."""
         self._children.pop(job.id, None)
         self._cancel_started.pop(job.id, None)
-        remove_records(self.job_dir(job))
+        job_dir = self.job_dir(job)
+        if not job_dir.is_dir():
+            return
+        for path in job_dir.iterdir():
+            name = path.name
+            worker_log = name.startswith("worker") and name.endswith(".log")
+            record = name in (CONFIG_FILE, EXIT_FILE, RUNNER_FILE, "runner.log") or worker_log
+            leftover = name.startswith(".") and name.endswith(".tmp")  # (write_json_atomic's, cut short)
+            if (record or leftover) and path.is_file():
+                path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (its outputs are in it)
+            job_dir.rmdir()
 
     def logs(self, job: Job, tail: int) -> tuple[list[str], bool]:
         path = self.job_dir(job) / LOG_FILE
