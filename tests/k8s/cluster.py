@@ -145,6 +145,10 @@ class Cluster:
         """A pod fails; the JobSet recreates every pod (BlockingRecreate) and counts a restart."""
         self.fail_pod(job_id, exit_code, disruption)
         time.sleep(0.5)  # the Job controller, then the JobSet controller, react to it: never at once
+        self.recreate(job_id)
+
+    def recreate(self, job_id: str) -> None:
+        """The JobSet's restart after a pod failed: every pod made anew, a restart counted."""
         for pod in self.pods(job_id):
             self.fake.remove("pods", pod["metadata"]["name"], self.namespace)
         restarts = ((self.jobset(job_id) or {}).get("status") or {}).get("restarts") or 0

@@ -186,7 +186,16 @@ def test_a_crashed_workers_log_goes_in_its_restart_event(
     name = crashed["metadata"]["name"]
     lines = [f"step {n}" for n in range(1, 30)] + ["Traceback (most recent call last):", "KeyError: 'x'"]
     fake_k8s.append_log(name, NAMESPACE, *lines)
-    cluster.restart(job_id, exit_code=1)
+    reads = fake_k8s.count("get", "pods/log")
+    cluster.fail_pod(job_id, exit_code=1)
+    # The JobSet's restart, once the API read the crashed pod's log: a restart that deletes the pod first is
+    # a race this best effort loses (the log is gone), not what this test is about.
+    deadline = time.monotonic() + 10
+    while fake_k8s.count("get", "pods/log") == reads:
+        assert time.monotonic() < deadline, "the crashed pod's log was not read"
+        time.sleep(0.02)
+    time.sleep(0.5)
+    cluster.recreate(job_id)
     job = api.wait_for(job_id, lambda j: j["restarts"] == 1)
     assert "Last log lines" not in job["status_message"]  # (the event has them)
     [restart] = events(api, job_id, "restart")
