@@ -71,6 +71,9 @@ def _loc(loc: tuple[Any, ...]) -> str:
 _BUILTIN_ERROR_TYPES = frozenset(get_args(ErrorType))
 
 
+MESSAGE_PROBLEMS = 5  # the most problems a 422's message names; its details list every one
+
+
 def validation_response(errors: list[Any]) -> JSONResponse:
     details = []
     for err in errors:
@@ -84,7 +87,9 @@ def validation_response(errors: list[Any]) -> JSONResponse:
         )
     codes = {d["code"] for d in details}
     code = "invalid_request" if codes == {"invalid_value"} or len(codes) > 1 else codes.pop()
-    message = "; ".join(f"{d['param']}: {d['message']}" for d in details)
+    message = "; ".join(f"{d['param']}: {d['message']}" for d in details[:MESSAGE_PROBLEMS])
+    if len(details) > MESSAGE_PROBLEMS:  # (a batch of 1000 bad reports made a 150 KB sentence)
+        message += f"; and {len(details) - MESSAGE_PROBLEMS:,} more, each in error.details"
     param = details[0]["param"] if len(details) == 1 else None
     return JSONResponse(status_code=422, content=error_body(code, message, param, details))
 
