@@ -64,8 +64,14 @@ def _num(value: float | None, fmt: str = ".4f") -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _accuracies(metrics: dict[str, Any]) -> str:
+    """The token accuracies there are, as " acc 41.2% eval-acc 38.0%" (none from a worker that sends none)."""
+    named = (("acc", metrics.get("accuracy")), ("eval-acc", metrics.get("eval_accuracy")))
+    return "".join(f" {name} {value:.1%}" for name, value in named if value is not None)
+
+
 def progress_line(job: dict[str, Any], width: int = 24) -> str:
-    """One line: bar, step, loss, eval loss, tokens/s, eta, status."""
+    """One line: bar, step, loss, eval loss, token accuracies, tokens/s, eta, status."""
     progress, metrics = job["progress"], job["metrics"]
     fraction = progress["fraction"] or 0.0
     filled = round(fraction * width)
@@ -74,7 +80,7 @@ def progress_line(job: dict[str, Any], width: int = 24) -> str:
     tps = metrics["tokens_per_second"]
     return (
         f"[{bar}] {fraction * 100:5.1f}% step {progress['step']}/{total} "
-        f"loss {_num(metrics['loss'])} eval {_num(metrics['eval_loss'])} "
+        f"loss {_num(metrics['loss'])} eval {_num(metrics['eval_loss'])}{_accuracies(metrics)} "
         f"{_num(tps, ',.0f')} tok/s eta {_duration(progress['eta_seconds'])} {job['status']}"
     )
 
@@ -351,8 +357,8 @@ def checkpoints(args: argparse.Namespace) -> int:
     for ckpt in data:
         metrics = ckpt["metrics"]
         print(
-            f"step {ckpt['step']:>7}  loss {_num(metrics['loss'])}  eval {_num(metrics['eval_loss'])}  "
-            f"{ckpt['uri']}"
+            f"step {ckpt['step']:>7}  loss {_num(metrics['loss'])}  eval {_num(metrics['eval_loss'])}"
+            f"{_accuracies(metrics)}  {ckpt['uri']}"
         )
     return 0
 

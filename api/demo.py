@@ -143,6 +143,9 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"  after:  {samples.get('after', '(none)')}")
     if evals:
         print(f"\nEval loss: {evals[0]:.3f} → {evals[-1]:.3f} nats/token")
+    accuracies = [p["eval_accuracy"] for p in history if p["eval_accuracy"] is not None]
+    if accuracies:
+        print(f"Eval token accuracy: {accuracies[0]:.1%} → {accuracies[-1]:.1%} (next token ranked first)")
     if losses:
         print(f"Train loss: {losses[0]:.3f} → {losses[-1]:.3f} (first → last step)")
     print(f"\nJob {job_id} {job['status']}" + (f": {job['error']['message']}" if job.get("error") else ""))

@@ -80,7 +80,8 @@ def default_output_uri(settings: Settings, job_id: str, tenant: str) -> str:
 JOB_COLUMNS = (
     *("id", "tenant", "name", "status", "status_message", "model", "method", "executor", "spec"),
     *("created_at", "started_at", "finished_at", "step", "total_steps", "epoch", "eta_seconds", "loss"),
-    *("eval_loss", "learning_rate", "tokens_per_second", "trained_tokens", "restarts", "preemptions"),
+    *("eval_loss", "accuracy", "eval_accuracy", "learning_rate", "tokens_per_second", "trained_tokens"),
+    *("restarts", "preemptions"),
     *("admitted_at", "held_seconds", "pauses", "retries", "data_stats"),
     *("error_code", "error_message", "output_uri", "checkpoint_uri"),
 )
@@ -128,6 +129,7 @@ class NewJob:
             f'"executor":{text(row["executor"])},"created_at":"{_utc_iso(row["created_at"])}",'
             f'"started_at":null,"finished_at":null,"progress":{{"step":{row["step"]},"total_steps":null,'
             '"epoch":null,"fraction":null,"eta_seconds":null},"metrics":{"loss":null,"eval_loss":null,'
+            '"accuracy":null,"eval_accuracy":null,'
             f'"learning_rate":null,"tokens_per_second":null}},"trained_tokens":{row["trained_tokens"]},'
             '"data_stats":null,'
             f'"restarts":{row["restarts"]},"preemptions":{row["preemptions"]},"pauses":{row["pauses"]},'
@@ -1078,9 +1080,11 @@ def _event_for(report: Any) -> tuple[str, str, str]:
         case MetricsReport():
             total = f"/{report.total_steps}" if report.total_steps else ""
             loss = f" loss {report.loss:.4f}" if report.loss is not None else ""
+            loss += f", accuracy {report.accuracy:.1%}" if report.accuracy is not None and loss else ""
             return "metrics", "info", f"step {report.step}{total}:{loss}".rstrip(":")
         case EvalReport():
-            return "eval", "info", f"step {report.step}: eval loss {report.eval_loss:.4f}"
+            accuracy = f", accuracy {report.eval_accuracy:.1%}" if report.eval_accuracy is not None else ""
+            return "eval", "info", f"step {report.step}: eval loss {report.eval_loss:.4f}{accuracy}"
         case CheckpointReport():
             return "checkpoint", "info", f"Checkpoint saved at step {report.step}: {report.uri}"
         case SampleReport():
@@ -1192,6 +1196,7 @@ def _aggregate(job: Job, reports: list[Any]) -> dict[str, Any]:
                     "total_steps",
                     "epoch",
                     "loss",
+                    "accuracy",
                     "learning_rate",
                     "tokens_per_second",
                     "eta_seconds",
@@ -1202,10 +1207,11 @@ def _aggregate(job: Job, reports: list[Any]) -> dict[str, Any]:
                     values["trained_tokens"] = report.trained_tokens
             case EvalReport():
                 values["eval_loss"] = report.eval_loss
+                values["eval_accuracy"] = report.eval_accuracy
             case CheckpointReport():
                 values["checkpoint_uri"] = report.uri
             case ResultReport():
-                for field in ("loss", "eval_loss", "trained_tokens"):
+                for field in ("loss", "eval_loss", "accuracy", "eval_accuracy", "trained_tokens"):
                     if getattr(report, field) is not None:
                         values[field] = getattr(report, field)
                 values["eta_seconds"] = 0.0
@@ -1221,7 +1227,16 @@ def _aggregate(job: Job, reports: list[Any]) -> dict[str, Any]:
 
 # --- history ---------------------------------------------------------------------------------------
 
-METRIC_FIELDS = ("loss", "learning_rate", "grad_norm", "tokens_per_second", "trained_tokens", "epoch")
+METRIC_FIELDS = (
+    "loss",
+    "accuracy",
+    "learning_rate",
+    "grad_norm",
+    "tokens_per_second",
+    "trained_tokens",
+    "epoch",
+)
+EVAL_FIELDS = ("eval_loss", "eval_accuracy")
 
 
 def metrics_history(
@@ -1232,7 +1247,7 @@ def metrics_history(
     max_step: int | None = None,
     limit: int = 10_000,
 ) -> tuple[list[dict[str, Any]], bool]:
-    """One point per step: the step's training metrics joined with its eval loss, oldest first."""
+    """One point per step: the step's training metrics joined with its eval's, oldest first."""
     query = select(JobEvent).where(JobEvent.job_seq == job.seq, col(JobEvent.type).in_(["metrics", "eval"]))
     if min_step is not None:
         query = query.where(col(JobEvent.step) >= min_step)
@@ -1244,10 +1259,10 @@ def metrics_history(
         if step not in points:
             if len(points) == limit:
                 return list(points.values()), True
-            points[step] = {"step": step, "eval_loss": None, **dict.fromkeys(METRIC_FIELDS)}
+            points[step] = {"step": step, **dict.fromkeys(EVAL_FIELDS), **dict.fromkeys(METRIC_FIELDS)}
         data = event.data or {}
         if event.type == "eval":
-            points[step]["eval_loss"] = data.get("eval_loss")
+            points[step].update({k: data.get(k) for k in EVAL_FIELDS})
         else:
             points[step].update({k: data.get(k) for k in METRIC_FIELDS})
     return list(points.values()), False
@@ -1289,6 +1304,9 @@ def saved_log(session: Session, job: Job) -> JobLog | None:
     ).first()
 
 
+CHECKPOINT_FIELDS = ("loss", "eval_loss", "accuracy", "eval_accuracy")
+
+
 def checkpoints(session: Session, job: Job) -> list[dict[str, Any]]:
     rows = session.exec(
         select(JobEvent)
@@ -1303,7 +1321,7 @@ def checkpoints(session: Session, job: Job) -> list[dict[str, Any]]:
                 "step": event.step or 0,
                 "uri": data.get("uri"),
                 "created_at": as_utc(event.created_at),
-                "metrics": {"loss": data.get("loss"), "eval_loss": data.get("eval_loss")},
+                "metrics": {k: data.get(k) for k in CHECKPOINT_FIELDS},
             }
         )
     return result

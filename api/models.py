@@ -70,6 +70,9 @@ class Job(SQLModel, table=True):
     eta_seconds: float | None = None
     loss: float | None = None
     eval_loss: float | None = None
+    # Token accuracy (0..1), training and held out (migration 0022).
+    accuracy: float | None = None
+    eval_accuracy: float | None = None
     learning_rate: float | None = None
     tokens_per_second: float | None = None
     trained_tokens: int = Field(default=0, sa_type=BigInteger)

@@ -77,6 +77,13 @@ class JobProgress(BaseModel):
 class JobMetrics(BaseModel):
     loss: float | None
     eval_loss: float | None
+    accuracy: float | None = Field(
+        description="Token accuracy at the latest step: the share of its trained target tokens the model "
+        "ranked first (0..1)."
+    )
+    eval_accuracy: float | None = Field(
+        description="Token accuracy on the validation data at the latest eval."
+    )
     learning_rate: float | None
     tokens_per_second: float | None
 
@@ -185,6 +192,8 @@ class JobPublic(BaseModel):
             metrics=JobMetrics.model_construct(
                 loss=job.loss,
                 eval_loss=job.eval_loss,
+                accuracy=job.accuracy,
+                eval_accuracy=job.eval_accuracy,
                 learning_rate=job.learning_rate,
                 tokens_per_second=job.tokens_per_second,
             ),
@@ -310,6 +319,8 @@ class MetricPoint(BaseModel):
     step: int
     loss: float | None
     eval_loss: float | None
+    accuracy: float | None
+    eval_accuracy: float | None
     learning_rate: float | None
     grad_norm: float | None
     tokens_per_second: float | None
@@ -329,6 +340,8 @@ class MetricsPage(BaseModel):
 class CheckpointMetrics(BaseModel):
     loss: float | None
     eval_loss: float | None
+    accuracy: float | None
+    eval_accuracy: float | None
 
 
 class CheckpointPublic(BaseModel):

@@ -313,6 +313,21 @@ def test_pause_stops_a_running_job_and_resume_runs_it_again(live_api, dataset: P
             "[############............]  50.0% step 50/100 loss 2.5000 eval 2.7500 "
             "15,321 tok/s eta 1m35s running",
         ),
+        (
+            {
+                "progress": {"fraction": 0.5, "step": 50, "total_steps": 100, "eta_seconds": 95},
+                "metrics": {
+                    "loss": 2.5,
+                    "eval_loss": 2.75,
+                    "accuracy": 0.4125,
+                    "eval_accuracy": 0.38,
+                    "tokens_per_second": 15321.4,
+                },
+                "status": "running",
+            },
+            "[############............]  50.0% step 50/100 loss 2.5000 eval 2.7500 acc 41.2% "
+            "eval-acc 38.0% 15,321 tok/s eta 1m35s running",
+        ),
     ],
 )
 def test_progress_line(job: dict, expected: str) -> None:

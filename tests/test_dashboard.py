@@ -207,6 +207,7 @@ def step(n: int, loss: float, total: int = 20) -> dict[str, Any]:
         "step": n,
         "total_steps": total,
         "loss": loss,
+        "accuracy": min(n * 0.03, 0.99),
         "learning_rate": 1e-4,
         "tokens_per_second": 1234.0,
         "trained_tokens": n * 64,
@@ -249,8 +250,16 @@ def test_job_page_shows_history_updates_live_and_cancels(
                 "validation_tokens": 27_000,
             },
             {"kind": "eval", "step": 5, "eval_loss": 2.61},
-            {"kind": "eval", "step": 10, "eval_loss": 1.93},
-            {"kind": "checkpoint", "step": 5, "uri": "/out/ckpt/5", "loss": 2.45, "eval_loss": 2.61},
+            {"kind": "eval", "step": 10, "eval_loss": 1.93, "eval_accuracy": 0.275},
+            {
+                "kind": "checkpoint",
+                "step": 5,
+                "uri": "/out/ckpt/5",
+                "loss": 2.45,
+                "eval_loss": 2.61,
+                "accuracy": 0.15,
+                "eval_accuracy": 0.125,
+            },
             {"kind": "checkpoint", "step": 10, "uri": "/out/ckpt/10", "loss": 1.7},
             {
                 "kind": "sample",
@@ -285,6 +294,8 @@ def test_job_page_shows_history_updates_live_and_cancels(
     expect(page.locator("#progress-text")).to_have_text("Step 10 of 20 (50%) · about 5m left")
     assert page.locator("#progress").get_attribute("value") == "0.5"
     expect(page.locator("#f-tps")).to_have_text("1,234")
+    expect(page.locator("#f-accuracy")).to_have_text("30.0%")
+    expect(page.locator("#f-eval-accuracy")).to_have_text("27.5%")
     expect(page.locator("#f-data")).to_have_text(
         "3,800 documents, 512,340 tokens in 7,900 rows of 64 (0.2% padding); 987 steps an epoch; "
         "validation 200 documents"
@@ -304,6 +315,9 @@ def test_job_page_shows_history_updates_live_and_cancels(
     checkpoints = page.locator("#checkpoints tbody tr")
     expect(checkpoints).to_have_count(2)
     expect(checkpoints.nth(0)).to_contain_text("/out/ckpt/5")
+    expect(checkpoints.nth(0).locator("td")).to_have_text(
+        ["5", "/out/ckpt/5", "2.45", "2.61", "15.0%", "12.5%", re.compile(".+")]
+    )
     expect(checkpoints.nth(1)).to_contain_text("/out/ckpt/10")
     events = page.locator("#events li")
     expect(events.first).to_contain_text("Waiting for quota")
@@ -320,6 +334,7 @@ def test_job_page_shows_history_updates_live_and_cancels(
     report(api, job_id, token, [{"kind": "checkpoint", "step": 11, "uri": "/out/ckpt/11"}])
     expect(checkpoints).to_have_count(3, timeout=5_000)
     expect(page.locator("#progress-text")).to_contain_text("Step 11 of 20", timeout=5_000)
+    expect(page.locator("#f-accuracy")).to_have_text("33.0%")
     screenshot(page, "job")
 
     page.once("dialog", lambda dialog: dialog.accept())
@@ -367,7 +382,9 @@ def test_fresh_queued_job_renders_and_cancels(
     expect(page.locator("#loss-chart text.empty")).to_have_text("No metrics yet")
     assert series(page, "loss") == [] and series(page, "eval_loss") == []
     expect(page.locator("#progress-text")).to_have_text("Step 0")
-    for field in ("#f-loss", "#f-eval-loss", "#f-tps", "#f-started", "#f-finished"):
+    for field in ("#f-loss", "#f-eval-loss", "#f-accuracy", "#f-eval-accuracy", "#f-tps"):
+        expect(page.locator(field)).to_have_text("—")
+    for field in ("#f-started", "#f-finished"):
         expect(page.locator(field)).to_have_text("—")
     expect(page.locator("#samples-empty")).to_be_visible()
     expect(page.locator("#checkpoints-empty")).to_be_visible()

@@ -13,25 +13,38 @@ from tests.test_progress import metrics, post, started_job
 
 def test_metrics_and_checkpoints(client: TestClient, dataset: Path) -> None:
     job_id, token = started_job(client, dataset)
-    post(client, job_id, token, [metrics(s, 4.0 - s * 0.1) for s in range(1, 11)])
+    post(client, job_id, token, [metrics(s, 4.0 - s * 0.1, accuracy=s / 20) for s in range(1, 11)])
     post(
         client,
         job_id,
         token,
-        [{"kind": "eval", "step": 5, "eval_loss": 3.7}, {"kind": "eval", "step": 10, "eval_loss": 3.3}],
+        [
+            {"kind": "eval", "step": 5, "eval_loss": 3.7, "eval_accuracy": 0.2},
+            {"kind": "eval", "step": 10, "eval_loss": 3.3},
+        ],
     )
     post(
         client,
         job_id,
         token,
         [
-            {"kind": "checkpoint", "step": 5, "uri": "/o/ckpt/5", "loss": 3.5, "eval_loss": 3.7},
+            {
+                "kind": "checkpoint",
+                "step": 5,
+                "uri": "/o/ckpt/5",
+                "loss": 3.5,
+                "eval_loss": 3.7,
+                "accuracy": 0.25,
+                "eval_accuracy": 0.2,
+            },
             {"kind": "checkpoint", "step": 10, "uri": "/o/ckpt/10", "loss": 3.0},
         ],
     )
     points = client.get(f"/jobs/{job_id}/metrics").json()["data"]
     assert [p["step"] for p in points] == list(range(1, 11))
     assert points[4]["loss"] == 3.5 and points[4]["eval_loss"] == 3.7 and points[3]["eval_loss"] is None
+    assert (points[4]["accuracy"], points[4]["eval_accuracy"]) == (0.25, 0.2)
+    assert (points[3]["eval_accuracy"], points[9]["eval_accuracy"]) == (None, None)
     assert points[9]["trained_tokens"] == 640
     window = client.get(f"/jobs/{job_id}/metrics", params={"min_step": 3, "max_step": 6}).json()
     assert [p["step"] for p in window["data"]] == [3, 4, 5, 6] and not window["has_more"]
@@ -39,7 +52,11 @@ def test_metrics_and_checkpoints(client: TestClient, dataset: Path) -> None:
     assert [p["step"] for p in first["data"]] == [1, 2, 3, 4] and first["has_more"]
     ckpts = client.get(f"/jobs/{job_id}/checkpoints").json()["data"]
     assert [(c["step"], c["uri"]) for c in ckpts] == [(5, "/o/ckpt/5"), (10, "/o/ckpt/10")]
-    assert ckpts[0]["metrics"] == {"loss": 3.5, "eval_loss": 3.7}
+    assert ckpts[0]["metrics"] == {"loss": 3.5, "eval_loss": 3.7, "accuracy": 0.25, "eval_accuracy": 0.2}
+    assert ckpts[1]["metrics"] == {"loss": 3.0, "eval_loss": None, "accuracy": None, "eval_accuracy": None}
+    # Its events say it too.
+    [eval_5] = client.get(f"/jobs/{job_id}/events", params={"type": "eval", "limit": 1}).json()["data"]
+    assert eval_5["message"] == "step 5: eval loss 3.7000, accuracy 20.0%"
 
 
 def read_sse(response: httpx.Response, until: str = "end", max_events: int = 1000) -> list[dict]:

@@ -37,7 +37,7 @@ def post(client: TestClient, job_id: str, token: str | None, reports: list[dict]
     return client.post(f"/jobs/{job_id}/progress", json={"reports": reports}, headers=headers)
 
 
-def metrics(step: int, loss: float) -> dict:
+def metrics(step: int, loss: float, accuracy: float | None = None) -> dict:
     return {
         "kind": "metrics",
         "step": step,
@@ -48,6 +48,7 @@ def metrics(step: int, loss: float) -> dict:
         "eta_seconds": 10.0 - step,
         "learning_rate": 1e-4,
         "epoch": step / 10,
+        **({"accuracy": accuracy} if accuracy is not None else {}),
     }
 
 
@@ -62,7 +63,11 @@ def test_reports_update_the_job(client: TestClient, dataset: Path) -> None:
         client,
         job_id,
         token,
-        [metrics(1, 3.0), metrics(2, 2.5), {"kind": "eval", "step": 2, "eval_loss": 2.7}],
+        [
+            metrics(1, 3.0, accuracy=0.25),
+            metrics(2, 2.5, accuracy=0.375),
+            {"kind": "eval", "step": 2, "eval_loss": 2.7, "eval_accuracy": 0.3},
+        ],
     )
     job = client.get(f"/jobs/{job_id}").json()
     assert job["status"] == "running" and job["started_at"]
@@ -76,14 +81,17 @@ def test_reports_update_the_job(client: TestClient, dataset: Path) -> None:
     assert job["metrics"] == {
         "loss": 2.5,
         "eval_loss": 2.7,
+        "accuracy": 0.375,
+        "eval_accuracy": 0.3,
         "learning_rate": 1e-4,
         "tokens_per_second": 100.0,
     }
     assert job["trained_tokens"] == 128
     # An older step arriving late (a retried batch) is stored but does not move the job back.
-    post(client, job_id, token, [metrics(1, 9.9)])
-    post(client, job_id, token, [metrics(0, 9.9)])
-    assert client.get(f"/jobs/{job_id}").json()["progress"]["step"] == 2
+    post(client, job_id, token, [metrics(1, 9.9, accuracy=0.9)])
+    post(client, job_id, token, [metrics(0, 9.9, accuracy=0.9)])
+    job = client.get(f"/jobs/{job_id}").json()
+    assert job["progress"]["step"] == 2 and job["metrics"]["accuracy"] == 0.375
     post(client, job_id, token, [{"kind": "checkpoint", "step": 2, "uri": "/x/ckpt/2", "loss": 2.5}])
     assert client.get(f"/jobs/{job_id}").json()["checkpoint_uri"] == "/x/ckpt/2"
     types = [e["type"] for e in client.get(f"/jobs/{job_id}/events").json()["data"]]
@@ -137,10 +145,19 @@ def test_bad_reports_are_422(client: TestClient, dataset: Path) -> None:
         [{"kind": "nope", "step": 1}],
         [{"kind": "metrics", "step": -1}],
         [{"kind": "eval", "step": 1, "eval_loss": "NaN"}],
+        [{"kind": "metrics", "step": 1, "accuracy": 1.5}],
+        [{"kind": "eval", "step": 1, "eval_loss": 1.0, "eval_accuracy": -0.1}],
     ):
         response = post(client, job_id, token, reports)
         assert response.status_code == 422, reports
         assert response.json()["error"]["code"] == "invalid_request"
+    # Many bad reports: the message names the first five and counts the rest; the details list each.
+    many = post(client, job_id, token, [{"kind": "metrics", "step": n, "accuracy": 2.0} for n in range(1000)])
+    error = many.json()["error"]
+    assert many.status_code == 422 and len(error["details"]) == 1000
+    assert error["message"].count("accuracy: Input should be less than or equal to 1") == 5
+    assert error["message"].startswith("reports.0.metrics.accuracy: ")
+    assert error["message"].endswith("; and 995 more, each in error.details")
     # A NaN loss (Python's json writes it) is stored as missing; the job stays readable.
     nan_loss = client.post(
         f"/jobs/{job_id}/progress",

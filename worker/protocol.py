@@ -11,9 +11,9 @@ Kinds:
 - `status`:     a phase change or message (`message`, optional `phase` in loading|compiling|training|
                 evaluating|saving|exporting); give each message at one step its own `key`, or it is
                 taken for a retry of the first. The first report of any kind moves the job to `running`.
-- `metrics`:    one training step's figures; the job's latest metrics and progress follow the
-                highest step received.
-- `eval`:       an eval loss at a step.
+- `metrics`:    one training step's figures (loss, token accuracy, learning rate, ...); the job's latest
+                metrics and progress follow the highest step received.
+- `eval`:       an eval loss (and token accuracy) at a step.
 - `checkpoint`: a checkpoint saved (`uri`), with the metrics at that step.
 - `sample`:     generated text for a prompt (`phase` before|after training).
 - `result`:     the final figures and the output URI; the worker then exits 0.
@@ -35,6 +35,10 @@ MAX_REPORTS_PER_BATCH = 1000
 # What the API's columns hold (PostgreSQL's INTEGER and BIGINT): a report past them is refused (422).
 MAX_STEP = 2**31 - 1
 MAX_COUNT = 2**63 - 1
+
+
+# The share of a step's (or an eval's) target tokens the model ranked first (OpenAI's mean token accuracy).
+Accuracy = Annotated[float, Field(ge=0, le=1)]
 
 
 def _replace_nul(value: object) -> object:
@@ -69,6 +73,9 @@ class MetricsReport(_Report):
     total_steps: Annotated[int, Field(ge=1, le=MAX_STEP)] | None = None
     epoch: Annotated[float, Field(ge=0)] | None = None
     loss: float | None = Field(default=None, description="Mean loss over the step's real target tokens.")
+    accuracy: Accuracy | None = Field(
+        default=None, description="The share of the step's target tokens the model predicted (its argmax)."
+    )
     learning_rate: float | None = None
     grad_norm: float | None = None
     tokens_per_second: Annotated[float, Field(ge=0)] | None = None
@@ -87,6 +94,7 @@ class MetricsReport(_Report):
 class EvalReport(_Report):
     kind: Literal["eval"] = "eval"
     eval_loss: float
+    eval_accuracy: Accuracy | None = None
     eval_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] | None = None
 
 
@@ -95,6 +103,8 @@ class CheckpointReport(_Report):
     uri: Annotated[Reported, Field(min_length=1, max_length=2048)]
     loss: float | None = None
     eval_loss: float | None = None
+    accuracy: Accuracy | None = None
+    eval_accuracy: Accuracy | None = None
 
 
 class SampleReport(_Report):
@@ -109,6 +119,8 @@ class ResultReport(_Report):
     output_uri: Annotated[Reported, Field(max_length=2048)] | None = None
     loss: float | None = None
     eval_loss: float | None = None
+    accuracy: Accuracy | None = None
+    eval_accuracy: Accuracy | None = None
     trained_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] | None = None
     train_seconds: Annotated[float, Field(ge=0)] | None = None
 

@@ -24,7 +24,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +92,14 @@ class RunOptions:
     sample_tokens: int = 48  # tokens generated per sample prompt
     data_shards: int | None = None  # data shards of the job (a multiple of the process count); None: one each
     cache_dir: Path | None = None  # where downloaded or converted files are kept
+
+
+class Evaluated(NamedTuple):
+    """An eval at a step: its loss and token accuracy over the held-out rows."""
+
+    step: int
+    loss: float
+    accuracy: float
 
 
 class LossNotFinite(Exception):
@@ -216,12 +224,14 @@ def make_optimizer(spec: JobSpec, total_steps: int) -> tuple[optax.GradientTrans
 
 def loss_sums(
     model: gemma.Model, trained: Params, frozen: Params, batch: dict[str, jax.Array]
-) -> tuple[jax.Array, jax.Array]:
-    """(sum of token cross-entropies over `loss_mask`, number of those tokens)."""
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """(sum of token cross-entropies over `loss_mask`, (number of those tokens, how many of them the
+    model ranks first: its token accuracy's numerator))."""
     logits = gemma.forward(model, trained, frozen, batch["tokens"], batch["segment_ids"], batch["positions"])
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    mask = batch["loss_mask"]
-    return jnp.sum(losses * mask), jnp.sum(mask)
+    targets, mask = batch["targets"], batch["loss_mask"]
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    correct = jnp.sum((jnp.argmax(logits, axis=-1) == targets) * mask)
+    return jnp.sum(losses * mask), (jnp.sum(mask), correct)
 
 
 def microbatches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Array]:
@@ -245,17 +255,18 @@ def make_train_step(
         grad_fn = jax.value_and_grad(lambda p, micro: loss_sums(model, p, frozen, micro), has_aux=True)
 
         def accumulate(grads: Params, micro: dict[str, jax.Array]) -> tuple:
-            (loss_sum, count), micro_grads = grad_fn(params, micro)
-            return jax.tree.map(jnp.add, grads, micro_grads), (loss_sum, count)
+            (loss_sum, (count, correct)), micro_grads = grad_fn(params, micro)
+            return jax.tree.map(jnp.add, grads, micro_grads), (loss_sum, count, correct)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        per_micro: tuple[jax.Array, jax.Array]
+        per_micro: tuple[jax.Array, jax.Array, jax.Array]
         grads, per_micro = jax.lax.scan(accumulate, zeros, microbatches(batch, accumulation))
-        loss_sum, count = jnp.sum(per_micro[0]), jnp.sum(per_micro[1])
+        loss_sum, count, correct = (jnp.sum(x) for x in per_micro)
         grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1.0), grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         metrics = {
             "loss": loss_sum / jnp.maximum(count, 1.0),
+            "accuracy": correct / jnp.maximum(count, 1.0),
             "tokens": count,
             "grad_norm": optax.global_norm(grads),
             "learning_rate": schedule(state["step"]),
@@ -272,14 +283,15 @@ def make_train_step(
 
 
 def make_eval_step(model: gemma.Model, accumulation: int) -> Callable:
-    """(params, frozen, batch) -> (loss sum, token count), in the same microbatches as training."""
+    """(params, frozen, batch) -> (loss sum, token count, tokens predicted), in the same microbatches as
+    training."""
 
     def eval_step(params: Params, frozen: Params, batch: dict[str, jax.Array]) -> tuple:
         def add(total: tuple, micro: dict[str, jax.Array]) -> tuple:
-            loss_sum, count = loss_sums(model, params, frozen, micro)
-            return (total[0] + loss_sum, total[1] + count), None
+            loss_sum, (count, correct) = loss_sums(model, params, frozen, micro)
+            return (total[0] + loss_sum, total[1] + count, total[2] + correct), None
 
-        return jax.lax.scan(add, (0.0, 0.0), microbatches(batch, accumulation))[0]
+        return jax.lax.scan(add, (0.0, 0.0, 0.0), microbatches(batch, accumulation))[0]
 
     return eval_step
 
@@ -418,7 +430,8 @@ class _Run:
         self.signals = signals
         self.trained_tokens = 0
         self.last_loss: float | None = None
-        self.last_eval: tuple[int, float] | None = None
+        self.last_accuracy: float | None = None
+        self.last_eval: Evaluated | None = None
         self.status_count = 0
         # Tells this attempt's status messages from an earlier one's: a restarted worker says "loading ..."
         # at step 0 again, which the API would otherwise drop as a retry of the first attempt's report.
@@ -512,6 +525,7 @@ class _Run:
         )
         state, position = self.checkpoints.restore(latest, abstract)
         self.trained_tokens, self.last_loss = int(position.get("trained_tokens", 0)), position.get("loss")
+        self.last_accuracy = position.get("accuracy")  # (None from a checkpoint saved before it was kept)
         self.status(f"resumed from the checkpoint at step {latest}", "loading", step=latest)
         return state, frozen, latest
 
@@ -604,9 +618,9 @@ class _Run:
             self.status(f"cancelled by the user at step {step}; a checkpoint was saved", step=step)
             return EXIT_OK
 
-        eval_loss = self._evaluate(state, frozen, step) if self.eval_data else None
+        evaluated = self._evaluate(state, frozen, step) if self.eval_data else None
         if self.checkpoints.latest_step() != step:
-            self._save(state, step, eval_loss)
+            self._save(state, step)
         output = self._export(state, frozen, step)
         self._sample(state, frozen, "after", step)
         self.reporter.send(
@@ -614,7 +628,9 @@ class _Run:
                 step=step,
                 output_uri=output,
                 loss=self.last_loss,
-                eval_loss=eval_loss,
+                accuracy=self.last_accuracy,
+                eval_loss=evaluated.loss if evaluated else None,
+                eval_accuracy=evaluated.accuracy if evaluated else None,
                 trained_tokens=self.trained_tokens,
                 train_seconds=train_seconds,
             )
@@ -645,13 +661,14 @@ class _Run:
         step_seconds = elapsed if step_seconds is None else 0.9 * step_seconds + 0.1 * elapsed
         self._clock = (now, step_seconds)
         self.trained_tokens += int(values["tokens"])
-        self.last_loss = values["loss"]
+        self.last_loss, self.last_accuracy = values["loss"], values["accuracy"]
         self.reporter.send(
             MetricsReport(
                 step=step + 1,
                 total_steps=self.total_steps,
                 epoch=(step + 1) / self.train_data.steps_per_epoch,
                 loss=values["loss"],
+                accuracy=values["accuracy"],
                 learning_rate=values["learning_rate"],
                 grad_norm=values["grad_norm"],
                 tokens_per_second=values["tokens"] / elapsed if elapsed > 0 else None,
@@ -661,32 +678,44 @@ class _Run:
         )
         return int(values["stop"])
 
-    def _evaluate(self, state: Params, frozen: Params, step: int) -> float:
+    def _evaluate(self, state: Params, frozen: Params, step: int) -> Evaluated:
         assert self.eval_data is not None
         rows = batch_sharding(self.mesh)
-        total, count = 0.0, 0.0
+        total, count, correct = 0.0, 0.0, 0.0
         for local in self.eval_data.eval_batches(self.eval_batches):
-            loss_sum, tokens = self.eval_fn(state["params"], frozen, global_batch(local, rows))
-            total, count = total + float(loss_sum), count + float(tokens)
-        eval_loss = total / max(count, 1.0)
-        if not math.isfinite(eval_loss):
-            raise LossNotFinite(step, eval_loss, "eval loss")
-        self.last_eval = (step, eval_loss)
-        self.reporter.send(EvalReport(step=step, eval_loss=eval_loss, eval_tokens=int(count)))
-        return eval_loss
+            loss_sum, tokens, predicted = self.eval_fn(state["params"], frozen, global_batch(local, rows))
+            total, count, correct = total + float(loss_sum), count + float(tokens), correct + float(predicted)
+        evaluated = Evaluated(step, total / max(count, 1.0), correct / max(count, 1.0))
+        if not math.isfinite(evaluated.loss):
+            raise LossNotFinite(step, evaluated.loss, "eval loss")
+        self.last_eval = evaluated
+        self.reporter.send(
+            EvalReport(
+                step=step,
+                eval_loss=evaluated.loss,
+                eval_accuracy=evaluated.accuracy,
+                eval_tokens=int(count),
+            )
+        )
+        return evaluated
 
-    def _save(self, state: Params, step: int, eval_loss: float | None = None) -> None:
+    def _save(self, state: Params, step: int) -> None:
         position = {
             **self.train_data.position(step),
             "trained_tokens": self.trained_tokens,
             "loss": self.last_loss,
+            "accuracy": self.last_accuracy,
         }
         self.checkpoints.save(step, state, position)
-        if eval_loss is None and self.last_eval is not None and self.last_eval[0] == step:
-            eval_loss = self.last_eval[1]
+        evaluated = self.last_eval if self.last_eval is not None and self.last_eval.step == step else None
         self.reporter.send(
             CheckpointReport(
-                step=step, uri=self.checkpoints.uri(step), loss=self.last_loss, eval_loss=eval_loss
+                step=step,
+                uri=self.checkpoints.uri(step),
+                loss=self.last_loss,
+                accuracy=self.last_accuracy,
+                eval_loss=evaluated.loss if evaluated else None,
+                eval_accuracy=evaluated.accuracy if evaluated else None,
             )
         )
 

@@ -114,13 +114,23 @@ _PROGRESS_EXAMPLE = {
             "total_steps": 500,
             "epoch": 0.02,
             "loss": 2.31,
+            "accuracy": 0.52,
             "learning_rate": 0.0001,
             "grad_norm": 0.8,
             "tokens_per_second": 15300.0,
             "trained_tokens": 40960,
             "eta_seconds": 1300.0,
         },
-        {"kind": "checkpoint", "step": 200, "uri": "gs://my-bucket/out/checkpoints/200", "loss": 1.9},
+        {"kind": "eval", "step": 200, "eval_loss": 2.05, "eval_accuracy": 0.55},
+        {
+            "kind": "checkpoint",
+            "step": 200,
+            "uri": "gs://my-bucket/out/checkpoints/200",
+            "loss": 1.9,
+            "accuracy": 0.58,
+            "eval_loss": 2.05,
+            "eval_accuracy": 0.55,
+        },
     ]
 }
 

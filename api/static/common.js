@@ -199,6 +199,11 @@ export function formatAge(iso) {
   return `${formatDuration((Date.now() - new Date(iso).getTime()) / 1000).split(" ")[0]} ago`;
 }
 
+// A token accuracy (0..1) as a percentage with one decimal: "42.5%"; "—" when missing.
+export function formatAccuracy(value) {
+  return value === null || value === undefined ? "—" : `${(value * 100).toFixed(1)}%`;
+}
+
 export function percent(fraction) {
   return fraction === null || fraction === undefined ? "" : `${Math.floor(fraction * 100)}%`;
 }

@@ -4,6 +4,7 @@ import {
   api,
   el,
   FINAL_STATUSES,
+  formatAccuracy,
   formatDate,
   formatDuration,
   formatInteger,
@@ -86,6 +87,8 @@ function showJob(next) {
   $("f-tenant").textContent = job.tenant;
   $("f-loss").textContent = formatNumber(job.metrics.loss);
   $("f-eval-loss").textContent = formatNumber(job.metrics.eval_loss);
+  $("f-accuracy").textContent = formatAccuracy(job.metrics.accuracy);
+  $("f-eval-accuracy").textContent = formatAccuracy(job.metrics.eval_accuracy);
   $("f-lr").textContent = formatNumber(job.metrics.learning_rate);
   $("f-tps").textContent = formatInteger(job.metrics.tokens_per_second);
   $("f-tokens").textContent = formatInteger(job.trained_tokens);
@@ -145,6 +148,8 @@ function addCheckpoint(event) {
     el("td", { text: data.uri, className: "mono" }),
     el("td", { text: formatNumber(data.loss ?? null), className: "num" }),
     el("td", { text: formatNumber(data.eval_loss ?? null), className: "num" }),
+    el("td", { text: formatAccuracy(data.accuracy), className: "num" }),
+    el("td", { text: formatAccuracy(data.eval_accuracy), className: "num" }),
     el("td", {}, [saved]),
   ]);
   const existing = checkpointRows.get(event.step);

@@ -81,6 +81,13 @@ def test_real_worker_job_succeeds_with_history_and_checkpoints(  # type: ignore[
     assert trained[-1]["loss"] < trained[0]["loss"]
     evals = [(p["step"], p["eval_loss"]) for p in points if p["eval_loss"] is not None]
     assert [step for step, _ in evals] == [0, 6, 12] and evals[-1][1] < evals[0][1]  # baseline first
+    # Token accuracy, trained and held out, from the worker to the job, its history and its checkpoints.
+    assert (job["metrics"]["accuracy"], job["metrics"]["eval_accuracy"]) == (
+        trained[-1]["accuracy"],
+        points[-1]["eval_accuracy"],
+    )
+    assert 0 <= trained[0]["accuracy"] < trained[-1]["accuracy"] <= 1
+    assert checkpoints[-1]["metrics"]["accuracy"] == trained[-1]["accuracy"]
     assert [c["step"] for c in checkpoints][-1] == 12
     for checkpoint in checkpoints:
         assert Path(checkpoint["uri"]).exists(), checkpoint

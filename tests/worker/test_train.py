@@ -83,12 +83,18 @@ def test_full_fine_tune_lowers_the_loss_and_exports(full_run: tuple[Path, Record
     # A baseline at step 0, then every eval_every_steps; the loss on held-out stories falls.
     assert [e.step for e in evals] == [0, 6, 12]
     assert evals[2].eval_loss < evals[1].eval_loss < evals[0].eval_loss
+    # Token accuracy, training and held out, rises as the loss falls.
+    accuracy = {m.step: m.accuracy for m in recorder.of_kind("metrics")}
+    assert all(0 <= a <= 1 for a in accuracy.values()) and accuracy[12] > accuracy[1]
+    assert 0 <= evals[0].eval_accuracy < evals[2].eval_accuracy <= 1
     checkpoints = recorder.of_kind("checkpoint")
     assert [c.step for c in checkpoints] == [6, 12] and checkpoints[0].loss == curve[6]
+    assert (checkpoints[0].accuracy, checkpoints[0].eval_accuracy) == (accuracy[6], evals[1].eval_accuracy)
     assert checkpoints[1].eval_loss == evals[2].eval_loss
     assert [s.phase for s in recorder.of_kind("sample")] == ["before", "after"]
     (result,) = recorder.of_kind("result")
     assert result.output_uri == str(output / "final") and result.loss == curve[12]
+    assert (result.accuracy, result.eval_accuracy) == (accuracy[12], evals[2].eval_accuracy)
     assert result.trained_tokens == metrics.trained_tokens
     # The export is a plain Gemma checkpoint that gemma's own loader reads.
     params = gm.ckpts.load_params(output / "final" / "params")
@@ -200,7 +206,7 @@ def test_pad_targets_carry_no_loss(tiny: tuple[gemma.Model, dict], batch: dict[s
         array[0, -20:] = 0
     padded["loss_mask"][0, -21] = 0
     masked = padded["loss_mask"] == 0
-    loss_sum, count = train.loss_sums(model, params, {}, padded)
+    loss_sum, (count, _) = train.loss_sums(model, params, {}, padded)
     assert count == padded["loss_mask"].sum()
 
     changed = (padded["targets"] + 7) % 1000
@@ -208,6 +214,33 @@ def test_pad_targets_carry_no_loss(tiny: tuple[gemma.Model, dict], batch: dict[s
     assert np.isclose(float(train.loss_sums(model, params, {}, scrambled)[0]), float(loss_sum), rtol=1e-6)
     real = dict(padded, targets=np.where(masked, padded["targets"], changed))
     assert not np.isclose(float(train.loss_sums(model, params, {}, real)[0]), float(loss_sum), rtol=1e-5)
+
+
+def test_token_accuracy_counts_the_trained_targets_the_model_ranks_first(
+    tiny: tuple[gemma.Model, dict], batch: dict[str, np.ndarray]
+) -> None:
+    """OpenAI's mean token accuracy: of the targets that carry loss, the share that are the model's argmax;
+    a target without loss (a pad, a prompt) never counts, whatever it is."""
+    model, params = tiny
+    logits = gemma.forward(model, params, {}, batch["tokens"], batch["segment_ids"], batch["positions"])
+    first = np.asarray(jnp.argmax(logits, axis=-1))
+    trained = batch["loss_mask"] > 0
+    # Every third trained target is the model's first choice, the rest not; every untrained one is.
+    chosen = trained & (np.cumsum(trained).reshape(trained.shape) % 3 == 0)
+    targets = np.where(chosen | ~trained, first, (first + 1) % 1000).astype(batch["targets"].dtype)
+    _, (count, correct) = train.loss_sums(model, params, {}, dict(batch, targets=targets))
+    assert int(count) == trained.sum() and int(correct) == chosen.sum() > 0
+    # The train step reports it as a share of the step's trained targets.
+    optimizer = optax.sgd(0.0)
+    state = {"step": jnp.int32(0), "params": params, "opt_state": optimizer.init(params)}
+    step = jax.jit(train.make_train_step(model, optimizer, optax.constant_schedule(0.0), 2))
+    _, metrics = step(state, {}, dict(batch, targets=targets), jnp.zeros(1, jnp.int32))
+    np.testing.assert_allclose(float(metrics["accuracy"]), chosen.sum() / trained.sum(), rtol=1e-6)
+    eval_step = jax.jit(train.make_eval_step(model, 2))
+    assert [int(x) for x in eval_step(params, {}, dict(batch, targets=targets))[1:]] == [
+        trained.sum(),
+        chosen.sum(),
+    ]
 
 
 def test_gradient_accumulation_equals_one_batch(
@@ -226,6 +259,7 @@ def test_gradient_accumulation_equals_one_batch(
     ]
     assert float(metrics_1["tokens"]) == float(metrics_4["tokens"]) == batch["loss_mask"].sum()
     np.testing.assert_allclose(metrics_4["loss"], metrics_1["loss"], rtol=1e-5)
+    np.testing.assert_allclose(metrics_4["accuracy"], metrics_1["accuracy"], rtol=1e-6)
     np.testing.assert_allclose(metrics_4["grad_norm"], metrics_1["grad_norm"], rtol=1e-4)
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), state_4["params"], state_1["params"]
