@@ -110,6 +110,25 @@ def test_unknown_job_is_404(client: TestClient) -> None:
         ({"method": {"type": "full", "lora_rank": 4}}, 422, "invalid_request", "method"),
         ({"hyperparameters": {"learning_rate": -1}}, 422, "invalid_request", "hyperparameters.learning_rate"),
         (
+            {"hyperparameters": {"warmup_steps": 10, "warmup_ratio": 0.1}},
+            422,
+            "conflicting_fields",
+            "hyperparameters",
+        ),
+        (
+            {"hyperparameters": {"lr_scheduler": "constant", "min_lr_ratio": 0.0}},
+            422,
+            "conflicting_fields",
+            "hyperparameters",
+        ),
+        (
+            {"hyperparameters": {"lr_scheduler": "step"}},
+            422,
+            "invalid_request",
+            "hyperparameters.lr_scheduler",
+        ),
+        ({"hyperparameters": {"warmup_ratio": 1}}, 422, "invalid_request", "hyperparameters.warmup_ratio"),
+        (
             {"hyperparameters": {"batch_size": 3}, "resources": {"processes": 2}},
             422,
             "batch_size_not_divisible",

@@ -79,7 +79,22 @@ class Hyperparameters(_Strict):
     )
     gradient_accumulation_steps: Annotated[int, Field(ge=1, le=1024)] = 1
     learning_rate: Annotated[float, Field(gt=0, le=1)] = 1e-4
-    warmup_steps: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    lr_scheduler: Literal["cosine", "linear", "constant"] = Field(
+        default="cosine",
+        description="The learning rate after the warmup: a cosine or linear decay from `learning_rate` to "
+        "`min_lr_ratio` times it at the last step, or constant.",
+    )
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] | None = Field(
+        default=None,
+        description="Where a decaying `lr_scheduler` ends, as a fraction of `learning_rate` (default 0.1).",
+    )
+    warmup_steps: Annotated[int, Field(ge=0, le=1_000_000)] = Field(
+        default=0, description="Steps of linear warmup from 0 to `learning_rate`."
+    )
+    warmup_ratio: Annotated[float, Field(ge=0, lt=1)] | None = Field(
+        default=None,
+        description="The warmup as a fraction of the job's steps, rounded (instead of `warmup_steps`).",
+    )
     weight_decay: Annotated[float, Field(ge=0, le=1)] = 0.0
     max_grad_norm: Annotated[float, Field(gt=0)] | None = 1.0  # (None: no clipping)
     max_seq_len: Annotated[int, Field(ge=8, le=131_072)] = 512
@@ -87,6 +102,18 @@ class Hyperparameters(_Strict):
     eval_every_steps: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     checkpoint_every_steps: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     keep_checkpoints: Annotated[int, Field(ge=1, le=100)] = 3
+
+    @model_validator(mode="after")
+    def _one_warmup_and_a_decay_to_end(self) -> Hyperparameters:
+        if self.warmup_ratio is not None and self.warmup_steps:
+            raise PydanticCustomError("conflicting_fields", "give warmup_steps or warmup_ratio, not both")
+        if self.lr_scheduler == "constant" and self.min_lr_ratio is not None:
+            raise PydanticCustomError(
+                "conflicting_fields",
+                "min_lr_ratio is where a decay ends, and a constant lr_scheduler has none: drop it, or "
+                "pick lr_scheduler cosine or linear",
+            )
+        return self
 
 
 class Resources(_Strict):

@@ -42,6 +42,7 @@ from worker.config import (
     EXIT_OK,
     EXIT_PREEMPTED,
     TINY_MODEL,
+    Hyperparameters,
     JobSpec,
     WorkerConfig,
 )
@@ -202,16 +203,31 @@ def summed(stats: DataStats) -> DataStats:
 # --- Optimizer, loss and steps ----------------------------------------------------------------------------
 
 
+def make_schedule(hyper: Hyperparameters, total_steps: int) -> optax.Schedule:
+    """The learning rate at each step: a linear warmup from 0 over `warmup_steps` (or `warmup_ratio` of
+    the steps), then `lr_scheduler`: a cosine or linear decay that reaches `min_lr_ratio` x the peak at the
+    last step, or the peak kept."""
+    peak = hyper.learning_rate
+    warmup = hyper.warmup_steps
+    if hyper.warmup_ratio is not None:
+        warmup = round(hyper.warmup_ratio * total_steps)
+    end = peak * (END_LR_FRACTION if hyper.min_lr_ratio is None else hyper.min_lr_ratio)
+    after = max(total_steps - warmup, 1)  # (the steps after the warmup; 1 if it takes them all)
+    if hyper.lr_scheduler == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, warmup + after, end)
+    if hyper.lr_scheduler == "linear":
+        decay = optax.linear_schedule(peak, end, after)
+    else:
+        decay = optax.constant_schedule(peak)
+    if not warmup:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
+
+
 def make_optimizer(spec: JobSpec, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with linear warmup and cosine decay; decay skips vectors (norm scales); optional clipping."""
+    """AdamW on `make_schedule`'s learning rate; decay skips vectors (norm scales); optional clipping."""
     hyper = spec.hyperparameters
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=hyper.learning_rate,
-        warmup_steps=hyper.warmup_steps,
-        decay_steps=max(total_steps, hyper.warmup_steps + 1),
-        end_value=hyper.learning_rate * END_LR_FRACTION,
-    )
+    schedule = make_schedule(hyper, total_steps)
     adamw = optax.adamw(
         schedule,
         weight_decay=hyper.weight_decay,

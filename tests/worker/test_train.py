@@ -25,7 +25,7 @@ from worker import data as worker_data
 from worker import model as gemma
 from worker import train
 from worker.checkpoint import export_params
-from worker.config import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED
+from worker.config import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, JobSpec
 from worker.data import TrainData, read_documents
 from worker.stories import write_txt
 from worker.tokenizer import Tokenizer
@@ -241,6 +241,39 @@ def test_token_accuracy_counts_the_trained_targets_the_model_ranks_first(
         trained.sum(),
         chosen.sum(),
     ]
+
+
+def schedule(total_steps: int, **hyper: Any) -> list[float]:
+    """The learning rate at each step 0..total_steps of a job with these hyperparameters, as its optimizer
+    applies it."""
+    spec = JobSpec(
+        name="s", model="tiny", dataset_uri="/d.txt", hyperparameters={"learning_rate": 1.0, **hyper}
+    )
+    _, learning_rate = train.make_optimizer(spec, total_steps)
+    return [float(learning_rate(step)) for step in range(total_steps + 1)]
+
+
+def test_learning_rate_schedules() -> None:
+    """A warmup (steps, or a share of them) from 0, then a cosine or linear decay to min_lr_ratio of the
+    peak at the last step, or the peak kept."""
+    cosine = schedule(100, warmup_steps=10)  # (the default, as before: 0.1 at the end)
+    np.testing.assert_allclose(
+        [cosine[0], cosine[5], cosine[10], cosine[55], cosine[100]], [0, 0.5, 1, 0.55, 0.1]
+    )
+    assert (np.diff(cosine[10:]) < 0).all()
+    # The same as warmup_ratio, and as optax's own warmup-cosine with those figures.
+    np.testing.assert_allclose(schedule(100, warmup_ratio=0.1), cosine)
+    optax_own = optax.warmup_cosine_decay_schedule(0.0, 1.0, 10, 100, 0.1)
+    np.testing.assert_allclose(cosine, [float(optax_own(step)) for step in range(101)], rtol=1e-6)
+    linear = schedule(100, lr_scheduler="linear", warmup_ratio=0.2, min_lr_ratio=0.0)
+    np.testing.assert_allclose([linear[10], linear[20], linear[60], linear[100]], [0.5, 1, 0.5, 0], atol=1e-6)
+    np.testing.assert_allclose(np.diff(linear[20:]), -1 / 80, rtol=1e-4)
+    constant = schedule(50, lr_scheduler="constant", warmup_steps=4)
+    np.testing.assert_allclose(constant[:5], [0, 0.25, 0.5, 0.75, 1])
+    assert constant[4:] == [1.0] * 47
+    assert schedule(20, lr_scheduler="constant") == [1.0] * 21
+    # No warmup: a decay from the first step.
+    np.testing.assert_allclose(schedule(10, lr_scheduler="linear")[::5], [1, 0.55, 0.1], rtol=1e-6)
 
 
 def test_gradient_accumulation_equals_one_batch(
