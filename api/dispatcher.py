@@ -608,7 +608,9 @@ class Dispatcher:
         job.launched_at = job.admitted_at = utcnow()
         job.status_message = "Workers started; waiting for the first report."
         session.add(job)
-        service.add_event(session, job, "launch", event, data={"executor": self.executor.name})
+        service.add_event(
+            session, job, "launch", event, data={"executor": self.executor.name}, at=job.admitted_at
+        )
         session.commit()
         log.info("job %s launched: %s", job.id, handle)
 

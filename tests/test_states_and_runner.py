@@ -138,3 +138,28 @@ def test_process_start_time_tells_pids_apart() -> None:
 
     assert process_start_time(os.getpid()) is not None
     assert process_start_time(2**22 + 12345) is None
+
+
+def test_a_moves_event_has_the_time_the_job_moved(client, dataset: Path) -> None:  # type: ignore[no-untyped-def]
+    """The status event's time is the job's own (its started_at, finished_at, what it held): the usage
+    report reads a job's moves from its events, its `usage` from its columns. The event was stamped after
+    the UPDATE's round trip, which under CI's load put a job's end 50 ms past its finished_at."""
+    from sqlmodel import Session, select
+
+    from api.jobs import transition
+    from api.models import Job
+
+    job_id = client.post("/jobs", json={"name": "x", "model": "tiny", "dataset_uri": str(dataset)}).json()[
+        "id"
+    ]
+    with Session(client.app.state.engine) as session:
+        job = session.exec(select(Job).where(Job.id == job_id)).one()
+        # (a check after the UPDATE, before the event: as a slow round trip would)
+        for target in (JobStatus.starting, JobStatus.running, JobStatus.succeeded):
+            assert transition(session, job, target, check=lambda: time.sleep(0.2))
+    job = client.get(f"/jobs/{job_id}").json()
+    moved = {
+        e["data"]["status"]: e["created_at"]
+        for e in client.get(f"/jobs/{job_id}/events", params={"type": "status"}).json()["data"]
+    }
+    assert (moved["running"], moved["succeeded"]) == (job["started_at"], job["finished_at"])
