@@ -98,6 +98,11 @@ class Hyperparameters(_Strict):
     weight_decay: Annotated[float, Field(ge=0, le=1)] = 0.0
     max_grad_norm: Annotated[float, Field(gt=0)] | None = 1.0  # (None: no clipping)
     max_seq_len: Annotated[int, Field(ge=8, le=131_072)] = 512
+    train_on_inputs: bool = Field(
+        default=False,
+        description="Chat data: train on every turn's tokens (the user's and the system prompt too), not "
+        "only the model's replies. Plain text is trained whole either way.",
+    )
     seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
     eval_every_steps: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     checkpoint_every_steps: Annotated[int, Field(ge=1, le=10_000_000)] | None = None

@@ -284,14 +284,18 @@ def _ids(tokens: list[int]) -> np.ndarray:
 
 
 def encode_documents(
-    documents: Sequence[Document], tokenizer: Tokenizer, num_threads: int = -1
+    documents: Sequence[Document],
+    tokenizer: Tokenizer,
+    num_threads: int = -1,
+    train_on_inputs: bool = False,
 ) -> list[EncodedDocument]:
     """Tokenize all documents in one multithreaded SentencePiece call and lay out bos/eos and chat turns.
 
     A chat is `<start_of_turn>{role}\\n{content}<end_of_turn>\\n` per turn; only a model turn's content and
-    its `<end_of_turn>` are trained. A user turn is encoded as one text, as a prompt is at sampling time; a
-    model turn's content is encoded apart from its header, so the trained span starts exactly at the content.
-    Markers are inserted by id, so a tokenizer that has them as control pieces works too.
+    its `<end_of_turn>` are trained (`train_on_inputs`: every token, as in plain text). A user turn is
+    encoded as one text, as a prompt is at sampling time; a model turn's content is encoded apart from its
+    header, so the trained span starts exactly at the content. Markers are inserted by id, so a tokenizer
+    that has them as control pieces works too.
     """
     rendered = [document if isinstance(document, str) else _render_chat(document) for document in documents]
     texts = [
@@ -325,7 +329,9 @@ def encode_documents(
             parts += [(start, False), *turn, (newline, False)]
         parts.append((eos, False))
         tokens = np.concatenate([part for part, _ in parts])
-        trained = np.concatenate([np.full(len(part), flag) for part, flag in parts])
+        trained = (
+            None if train_on_inputs else np.concatenate([np.full(len(part), flag) for part, flag in parts])
+        )
         result.append(EncodedDocument(tokens, trained))
     return result
 
@@ -534,6 +540,7 @@ class _ShardedData:
         shard_indices: Sequence[int],
         num_shards: int,
         num_threads: int = -1,
+        train_on_inputs: bool = False,
     ) -> None:
         if num_shards < 1 or not shard_indices or any(not 0 <= s < num_shards for s in shard_indices):
             raise ValueError(
@@ -556,7 +563,8 @@ class _ShardedData:
         # Tokenizer models without a pad piece say -1; pad slots are masked, so any valid id serves.
         pad_id = max(tokenizer.pad_id, 0)
         mine = [shard_documents(documents, seed, shard, num_shards) for shard in self.shard_indices]
-        encoded = iter(encode_documents([d for shard in mine for d in shard], tokenizer, num_threads))
+        documents_here = [d for shard in mine for d in shard]
+        encoded = iter(encode_documents(documents_here, tokenizer, num_threads, train_on_inputs))
         self.shards = [PackedShard([next(encoded) for _ in shard], max_seq_len + 1, pad_id) for shard in mine]
         self.stats = DataStats.total([shard.stats for shard in self.shards])
         self._check_rows()
@@ -684,5 +692,8 @@ def load_train_data(
         documents, validation = split_validation(documents, spec.validation_split, hyper.seed)
     indices = list(range(process_index * per_process, (process_index + 1) * per_process))
     settings = (tokenizer, hyper.max_seq_len, hyper.batch_size, hyper.seed, indices, shards, num_threads)
-    train = TrainData(documents, *settings)
-    return train, None if validation is None else EvalData(validation, *settings)
+    # (the validation data's loss is the same objective's: its prompts count as training's do)
+    train = TrainData(documents, *settings, train_on_inputs=hyper.train_on_inputs)
+    return train, None if validation is None else EvalData(
+        validation, *settings, train_on_inputs=hyper.train_on_inputs
+    )

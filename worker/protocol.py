@@ -139,7 +139,7 @@ class DataFigures(BaseModel):
         description="Their tokens, each document's bos and eos included."
     )
     target_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] = Field(
-        description="Those that carry loss (a chat's prompts do not, unless trained on)."
+        description="Those that carry loss (a chat's prompts do not, unless `train_on_inputs`)."
     )
     rows: Annotated[int, Field(ge=0, le=MAX_COUNT)] = Field(
         description="The rows of `row_tokens` they were packed into; a batch takes `batch_size` of them."

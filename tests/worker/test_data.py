@@ -283,6 +283,35 @@ def test_chat_loss_mask_covers_model_turns_in_batches(tmp_path: Path, tiny_token
     ]
 
 
+def test_train_on_inputs_trains_every_turn_of_a_chat(tmp_path: Path, tiny_tokenizer: Tokenizer) -> None:
+    """Together's train_on_inputs: a chat's user turns and system prompt carry loss too, in the training
+    and the validation data (the same objective); plain text is the same either way."""
+    uri = write(tmp_path / "chat.jsonl", jsonl(*[CHAT] * 8))
+    [encoded] = encode_documents(read_documents(uri)[:1], tiny_tokenizer, train_on_inputs=True)
+    assert tiny_tokenizer.decode(encoded.tokens[1:-1]) == CHAT_TEMPLATE and encoded.trained is None
+
+    def load(dataset: str, train_on_inputs: bool) -> tuple[TrainData, EvalData]:
+        hyper = {"batch_size": 1, "max_seq_len": 128, "train_on_inputs": train_on_inputs}
+        spec = {"name": "t", "model": "tiny", "dataset_uri": dataset, "validation_split": 0.5}
+        train, evaluation = load_train_data(
+            JobSpec.model_validate({**spec, "hyperparameters": hyper}), tiny_tokenizer, 0, 1
+        )
+        assert evaluation is not None
+        return train, evaluation
+
+    replies, everything = load(uri, False), load(uri, True)
+    for only, every in zip(replies, everything, strict=True):
+        assert only.stats.tokens == every.stats.tokens and only.stats.target_tokens > 0
+        # Every token a target but each document's first (bos); the replies alone, far fewer.
+        assert every.stats.target_tokens == every.stats.tokens - every.stats.documents
+        assert only.stats.target_tokens < every.stats.target_tokens / 2
+    row = everything[0].batch(0)
+    trained = tiny_tokenizer.decode(row["targets"][0][row["loss_mask"][0] == 1])
+    assert "Who is Amy?<end_of_turn>" in trained and "In a small house." in trained
+    text = str(write_txt(tmp_path / "stories.txt", generate_stories(40, 0)))
+    assert [d.stats for d in load(text, False)] == [d.stats for d in load(text, True)]
+
+
 def test_text_documents_become_bos_tokens_eos(tiny_tokenizer: Tokenizer) -> None:
     [encoded] = encode_documents(["Amy ran."], tiny_tokenizer)
     expected = [tiny_tokenizer.bos_id, *tiny_tokenizer.encode("Amy ran."), tiny_tokenizer.eos_id]
