@@ -129,6 +129,19 @@ def test_unknown_job_is_404(client: TestClient) -> None:
         ),
         ({"hyperparameters": {"warmup_ratio": 1}}, 422, "invalid_request", "hyperparameters.warmup_ratio"),
         (
+            {"hyperparameters": {"eval_every_steps": 10, "n_evals": 4}},
+            422,
+            "conflicting_fields",
+            "hyperparameters",
+        ),
+        (
+            {"hyperparameters": {"checkpoint_every_steps": 10, "n_checkpoints": 4}},
+            422,
+            "conflicting_fields",
+            "hyperparameters",
+        ),
+        ({"hyperparameters": {"n_evals": 0}}, 422, "invalid_request", "hyperparameters.n_evals"),
+        (
             {"hyperparameters": {"batch_size": 3}, "resources": {"processes": 2}},
             422,
             "batch_size_not_divisible",

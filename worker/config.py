@@ -7,6 +7,7 @@ TPU catalogue) live in the API; what is checked here holds for every deployment.
 
 from __future__ import annotations
 
+import math
 import posixpath
 import re
 from typing import Annotated, Literal
@@ -105,13 +106,40 @@ class Hyperparameters(_Strict):
     )
     seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
     eval_every_steps: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
+    n_evals: Annotated[int, Field(ge=1, le=10_000)] | None = Field(
+        default=None,
+        description="Evals spread evenly over the run, the last at its end (instead of `eval_every_steps`, "
+        "for a run whose steps you do not know before its data is read).",
+    )
     checkpoint_every_steps: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
+    n_checkpoints: Annotated[int, Field(ge=1, le=10_000)] | None = Field(
+        default=None,
+        description="Checkpoints spread evenly over the run, the last at its end (instead of "
+        "`checkpoint_every_steps`).",
+    )
     keep_checkpoints: Annotated[int, Field(ge=1, le=100)] = 3
 
+    def intervals(self, total_steps: int) -> tuple[int | None, int | None]:
+        """(steps between evals, steps between checkpoints) in a run of `total_steps`: given, or
+        `n_evals` / `n_checkpoints` spread evenly (the last at the end, where a run always does both)."""
+
+        def spread(count: int | None) -> int | None:
+            return None if count is None else max(1, math.ceil(total_steps / count))
+
+        return (
+            self.eval_every_steps or spread(self.n_evals),
+            self.checkpoint_every_steps or spread(self.n_checkpoints),
+        )
+
     @model_validator(mode="after")
-    def _one_warmup_and_a_decay_to_end(self) -> Hyperparameters:
-        if self.warmup_ratio is not None and self.warmup_steps:
-            raise PydanticCustomError("conflicting_fields", "give warmup_steps or warmup_ratio, not both")
+    def _one_of_each_and_a_decay_to_end(self) -> Hyperparameters:
+        for every, count in (
+            ("warmup_steps", "warmup_ratio"),
+            ("eval_every_steps", "n_evals"),
+            ("checkpoint_every_steps", "n_checkpoints"),
+        ):
+            if getattr(self, every) and getattr(self, count) is not None:
+                raise PydanticCustomError("conflicting_fields", f"give {every} or {count}, not both")
         if self.lr_scheduler == "constant" and self.min_lr_ratio is not None:
             raise PydanticCustomError(
                 "conflicting_fields",

@@ -587,9 +587,10 @@ class _Run:
         self.generate = gemma.make_generate(
             self.model, replicated, self.options.sample_tokens, self._stop_tokens()
         )
+        eval_every, checkpoint_every = hyper.intervals(self.total_steps)
         if start == 0:
             self._sample(state, frozen, "before", 0)
-            if self.eval_data is not None and hyper.eval_every_steps is not None:
+            if self.eval_data is not None and eval_every is not None:
                 self._evaluate(state, frozen, 0)  # the baseline every later eval loss is read against
 
         self.status(
@@ -607,8 +608,8 @@ class _Run:
                 stop = self._record(*pending)
             pending = (step, metrics)
             step += 1
-            checkpoint_due = _every(hyper.checkpoint_every_steps, step)
-            eval_due = self.eval_data is not None and _every(hyper.eval_every_steps, step)
+            checkpoint_due = _every(checkpoint_every, step)
+            eval_due = self.eval_data is not None and _every(eval_every, step)
             if stop != STOP_NONE or step == self.total_steps or not (checkpoint_due or eval_due):
                 continue
             # Read this step's metrics now, so its checkpoint report carries them.

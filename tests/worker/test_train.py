@@ -25,7 +25,7 @@ from worker import data as worker_data
 from worker import model as gemma
 from worker import train
 from worker.checkpoint import export_params
-from worker.config import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, JobSpec
+from worker.config import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, Hyperparameters, JobSpec
 from worker.data import TrainData, read_documents
 from worker.stories import write_txt
 from worker.tokenizer import Tokenizer
@@ -62,8 +62,8 @@ def full_run(
         story_corpus,
         tiny_tokenizer_path,
         spec={"validation_split": 0.05, "sample_prompts": ["Once upon a time"]},
-        eval_every_steps=6,
-        checkpoint_every_steps=6,
+        n_evals=2,  # (of its 12 steps: every 6, as test_e2e's eval_every_steps)
+        n_checkpoints=2,
     )
     recorder = Recorder()
     assert train.run(config, recorder, TEST_OPTIONS) == EXIT_OK
@@ -80,7 +80,7 @@ def test_full_fine_tune_lowers_the_loss_and_exports(full_run: tuple[Path, Record
     trained = [m.trained_tokens for m in recorder.of_kind("metrics")]
     assert trained == sorted(set(trained)) and trained[0] > 0
     evals = recorder.of_kind("eval")
-    # A baseline at step 0, then every eval_every_steps; the loss on held-out stories falls.
+    # A baseline at step 0, then n_evals spread over the run; the loss on held-out stories falls.
     assert [e.step for e in evals] == [0, 6, 12]
     assert evals[2].eval_loss < evals[1].eval_loss < evals[0].eval_loss
     # Token accuracy, training and held out, rises as the loss falls.
@@ -274,6 +274,19 @@ def test_learning_rate_schedules() -> None:
     assert schedule(20, lr_scheduler="constant") == [1.0] * 21
     # No warmup: a decay from the first step.
     np.testing.assert_allclose(schedule(10, lr_scheduler="linear")[::5], [1, 0.55, 0.1], rtol=1e-6)
+
+
+def test_evals_and_checkpoints_spread_over_a_run() -> None:
+    """n_evals / n_checkpoints: evenly over the steps, the last at the end (a run always evaluates and
+    saves there); or every so many steps as given."""
+
+    def spread(total_steps: int, **hyper: Any) -> tuple[int | None, int | None]:
+        return Hyperparameters(**hyper).intervals(total_steps)
+
+    assert spread(100, n_evals=4, n_checkpoints=3) == (25, 34)  # (34, 68, then the end: 3)
+    assert spread(10, n_evals=50) == (1, None)  # (no more than one a step)
+    assert spread(100, eval_every_steps=7, checkpoint_every_steps=9) == (7, 9)
+    assert spread(100) == (None, None)
 
 
 def test_gradient_accumulation_equals_one_batch(
