@@ -246,7 +246,10 @@ def loss_sums(
     logits = gemma.forward(model, trained, frozen, batch["tokens"], batch["segment_ids"], batch["positions"])
     targets, mask = batch["targets"], batch["loss_mask"]
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    correct = jnp.sum((jnp.argmax(logits, axis=-1) == targets) * mask)
+    # The target ranked first: its logit is the highest. (Not argmax == target: argmax's (value, index)
+    # reduction over a 262,144-token vocabulary cost a fifth of a step on CPU; a max and a gather do not.)
+    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    correct = jnp.sum((target_logits >= jnp.max(logits, axis=-1)) * mask)
     return jnp.sum(losses * mask), (jnp.sum(mask), correct)
 
 
