@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import sys
 import time
@@ -347,6 +348,46 @@ def delete(args: argparse.Namespace) -> int:
                 continue
             print(f"{deleted['id']} deleted (its outputs stay at {deleted['output_uri']})")
     return 3 if failed else 0
+
+
+METRIC_COLUMNS = (
+    *("step", "loss", "accuracy", "eval_loss", "eval_accuracy", "learning_rate", "grad_norm"),
+    *("tokens_per_second", "trained_tokens", "epoch"),
+)
+
+
+def metrics(args: argparse.Namespace) -> int:
+    """The job's metrics per step: a table, or CSV (every column, as the API gives them) to plot."""
+    with _client(args) as client:
+        points = list(client.metric_points(args.job_id, args.min_step, args.max_step))
+    if args.every > 1 and points:
+        # Every N-th step, each eval's, and the last: the curve's shape without a line a step.
+        last = points[-1]["step"]
+
+        def kept(point: dict[str, Any]) -> bool:
+            return point["step"] % args.every == 0 or point["step"] == last or point["eval_loss"] is not None
+
+        points = [point for point in points if kept(point)]
+    if args.csv:
+        writer = csv.writer(sys.stdout, lineterminator="\n")
+        writer.writerow(METRIC_COLUMNS)
+        writer.writerows([["" if p.get(c) is None else p[c] for c in METRIC_COLUMNS] for p in points])
+        return 0
+    if not points:
+        print("no metrics yet")
+        return 0
+    print(f"{'STEP':>8} {'LOSS':>9} {'ACC':>7} {'EVAL LOSS':>10} {'EVAL ACC':>9} {'LR':>10} {'TOK/S':>9}")
+    for p in points:
+        print(
+            f"{p['step']:>8} {_num(p['loss']):>9} {_percent(p.get('accuracy')):>7} "
+            f"{_num(p['eval_loss']):>10} {_percent(p.get('eval_accuracy')):>9} "
+            f"{_num(p['learning_rate'], '.3e'):>10} {_num(p['tokens_per_second'], ',.0f'):>9}"
+        )
+    return 0
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
 
 
 def checkpoints(args: argparse.Namespace) -> int:
@@ -757,6 +798,14 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("job_id")
     p.set_defaults(func=act, action="resume")
+
+    p = commands.add_parser("metrics", help="a job's loss, token accuracy and more at each step")
+    p.add_argument("job_id")
+    p.add_argument("--min-step", type=int, help="from this step")
+    p.add_argument("--max-step", type=int, help="up to this step")
+    p.add_argument("--every", type=int, default=1, help="every N-th step (and each eval's, and the last)")
+    p.add_argument("--csv", action="store_true", help="CSV with every column, to plot")
+    p.set_defaults(func=metrics)
 
     p = commands.add_parser("checkpoints", help="a job's checkpoints")
     p.add_argument("job_id")

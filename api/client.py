@@ -151,8 +151,28 @@ class Client:
             params.append(("after", after))
         return self._request("GET", f"/jobs/{job_id}/events", params=params)
 
-    def metrics(self, job_id: str) -> dict[str, Any]:
-        return self._request("GET", f"/jobs/{job_id}/metrics")
+    def metrics(
+        self,
+        job_id: str,
+        min_step: int | None = None,
+        max_step: int | None = None,
+        limit: int | None = None,
+    ) -> dict[str, Any]:
+        """One page of the job's metrics per step (`has_more`: ask again from the step after the last)."""
+        given = {"min_step": min_step, "max_step": max_step, "limit": limit}
+        params = {name: value for name, value in given.items() if value is not None}
+        return self._request("GET", f"/jobs/{job_id}/metrics", params=params)
+
+    def metric_points(
+        self, job_id: str, min_step: int | None = None, max_step: int | None = None, page: int = 10_000
+    ) -> Iterator[dict[str, Any]]:
+        """Every point of the job's metrics from `min_step` to `max_step`, page after page."""
+        while True:
+            answer = self.metrics(job_id, min_step, max_step, page)
+            yield from answer["data"]
+            if not answer["has_more"] or not answer["data"]:
+                return
+            min_step = answer["data"][-1]["step"] + 1
 
     def checkpoints(self, job_id: str) -> dict[str, Any]:
         return self._request("GET", f"/jobs/{job_id}/checkpoints")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import re
 import threading
@@ -13,6 +15,7 @@ import pytest
 from sqlmodel import Session, select
 
 from api.cli import data_line, interruptions_line, main, progress_line, queue_place, usage_line
+from api.client import Client
 from api.jobs import transition
 from api.models import Job, utcnow
 from api.settings import Settings
@@ -638,3 +641,48 @@ def test_data_line() -> None:
         "validation 20 documents"
     )
     assert data_line({"data_stats": {**figures, "validation_documents": None}}).endswith("98 steps an epoch")  # type: ignore[union-attr]
+
+
+def test_metrics_table_csv_and_pages(live_api, dataset: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`tputune metrics`: a line a step (loss, token accuracy, eval loss and accuracy, lr, tokens/s), a
+    window of steps, every N-th step with each eval's and the last, or CSV with every column; the client
+    pages through a long history."""
+    from tests.test_dashboard import create, report, started, step
+
+    api = live_api(dispatcher_enabled=False)
+    job_id, token = started(api, dataset, "curve")
+    report(api, job_id, token, [step(n, 4.0 - 0.25 * n, total=13) for n in range(1, 14)])
+    evals = [(5, 3.1, 0.2), (10, 2.0, None)]
+    report(
+        api,
+        job_id,
+        token,
+        [{"kind": "eval", "step": s, "eval_loss": loss, "eval_accuracy": acc} for s, loss, acc in evals],
+    )
+    code, out, _ = run(api, capsys, "metrics", job_id)
+    lines = out.splitlines()
+    assert code == 0 and lines[0] == "    STEP      LOSS     ACC  EVAL LOSS  EVAL ACC         LR     TOK/S"
+    assert [line.split()[0] for line in lines[1:]] == [str(n) for n in range(1, 14)]
+    assert lines[5].split() == ["5", "2.7500", "15.0%", "3.1000", "20.0%", "1.000e-04", "1,234"]
+    assert lines[10].split() == ["10", "1.5000", "30.0%", "2.0000", "-", "1.000e-04", "1,234"]
+    code, out, _ = run(api, capsys, "metrics", job_id, "--every", "4")
+    assert [line.split()[0] for line in out.splitlines()[1:]] == ["4", "5", "8", "10", "12", "13"]
+    code, out, _ = run(api, capsys, "metrics", job_id, "--csv", "--min-step", "4", "--max-step", "6")
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert [row["step"] for row in rows] == ["4", "5", "6"]
+    assert rows[1] == {
+        **rows[1],
+        "loss": "2.75",
+        "accuracy": "0.15",
+        "eval_loss": "3.1",
+        "eval_accuracy": "0.2",
+        "trained_tokens": "320",
+        "grad_norm": "",
+    }
+    with api.client() as http:
+        assert http.get(f"/jobs/{job_id}/metrics", params={"limit": 5}).json()["has_more"]
+    with Client(api.url) as client:
+        assert [p["step"] for p in client.metric_points(job_id, page=5)] == list(range(1, 14))
+        assert [p["step"] for p in client.metric_points(job_id, min_step=11, page=2)] == [11, 12, 13]
+    code, out, _ = run(api, capsys, "metrics", created := create(api, dataset, "none yet"))
+    assert (code, out) == (0, "no metrics yet\n"), created

@@ -540,7 +540,8 @@ def job_metrics(
     max_step: Annotated[int | None, Query(ge=0, le=MAX_STEP)] = None,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
 ) -> Response:
-    """Training loss, eval loss, learning rate, grad norm and tokens/s at every reported step."""
+    """Training loss and token accuracy, eval loss and accuracy, learning rate, grad norm and tokens/s at
+    every reported step."""
     job = service.get_job(session, tenant, job_id)
     points, has_more = service.metrics_history(
         session, job, min_step=min_step, max_step=max_step, limit=limit
