@@ -215,9 +215,9 @@ def step(n: int, loss: float, total: int = 20) -> dict[str, Any]:
     }
 
 
-def series(page: Page, name: str) -> list[list[float]]:
+def series(page: Page, name: str, chart: str = "loss-chart") -> list[list[float]]:
     return json.loads(
-        page.locator(f'#loss-chart path[data-series="{name}"]').get_attribute("data-points") or ""
+        page.locator(f'#{chart} path[data-series="{name}"]').get_attribute("data-points") or ""
     )
 
 
@@ -289,6 +289,12 @@ def test_job_page_shows_history_updates_live_and_cancels(
     assert series(page, "loss") == losses
     assert series(page, "eval_loss") == [[5, 2.61], [10, 1.93]]
     expect(chart.locator("circle.marker")).to_have_count(2)
+    # Token accuracy in a chart of its own, training and eval.
+    expect(page.locator("#accuracy-card")).to_be_visible()
+    accuracy = page.locator("#accuracy-chart")
+    expect(accuracy.locator('path[data-series="accuracy"]')).to_have_attribute("data-count", "10")
+    assert series(page, "accuracy", "accuracy-chart") == [[n, pytest.approx(n * 0.03)] for n in range(1, 11)]
+    assert series(page, "eval_accuracy", "accuracy-chart") == [[10, 0.275]]
     expect(page.locator("#status")).to_have_text("running")
     expect(page.locator("#status-message")).to_have_text("Waiting for quota: 0 of 8 TPU chips free.")
     expect(page.locator("#progress-text")).to_have_text("Step 10 of 20 (50%) · about 5m left")
@@ -329,8 +335,10 @@ def test_job_page_shows_history_updates_live_and_cancels(
     report(api, job_id, token, [step(11, 1.25)])
     expect(chart.locator('path[data-series="loss"]')).to_have_attribute("data-count", "11", timeout=5_000)
     assert series(page, "loss")[-1] == [11, 1.25]
-    report(api, job_id, token, [{"kind": "eval", "step": 11, "eval_loss": 1.5}])
+    expect(accuracy.locator('path[data-series="accuracy"]')).to_have_attribute("data-count", "11")
+    report(api, job_id, token, [{"kind": "eval", "step": 11, "eval_loss": 1.5, "eval_accuracy": 0.31}])
     expect(chart.locator("circle.marker")).to_have_count(3, timeout=5_000)
+    expect(accuracy.locator("circle.marker")).to_have_count(2, timeout=5_000)
     report(api, job_id, token, [{"kind": "checkpoint", "step": 11, "uri": "/out/ckpt/11"}])
     expect(checkpoints).to_have_count(3, timeout=5_000)
     expect(page.locator("#progress-text")).to_contain_text("Step 11 of 20", timeout=5_000)
@@ -381,6 +389,7 @@ def test_fresh_queued_job_renders_and_cancels(
     expect(page.locator("#queue-place")).to_have_text("2nd in the queue")
     expect(page.locator("#loss-chart text.empty")).to_have_text("No metrics yet")
     assert series(page, "loss") == [] and series(page, "eval_loss") == []
+    expect(page.locator("#accuracy-card")).to_be_hidden()  # (none yet)
     expect(page.locator("#progress-text")).to_have_text("Step 0")
     for field in ("#f-loss", "#f-eval-loss", "#f-accuracy", "#f-eval-accuracy", "#f-tps"):
         expect(page.locator(field)).to_have_text("—")

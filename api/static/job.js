@@ -37,6 +37,21 @@ const chart = new LineChart(
   ],
   { xTitle: "Step", yTitle: "Loss", readout: $("chart-readout") },
 );
+// Shown once the job has a token accuracy (a worker from before it was reported sends none).
+const accuracyChart = new LineChart(
+  $("accuracy-chart"),
+  [
+    { name: "accuracy", title: "Training token accuracy", markers: false },
+    { name: "eval_accuracy", title: "Eval token accuracy", markers: true },
+  ],
+  { xTitle: "Step", yTitle: "Token accuracy", readout: $("accuracy-readout") },
+);
+
+function addAccuracy(name, step, value) {
+  if (value === null || value === undefined) return;
+  accuracyChart.add(name, step, value);
+  $("accuracy-card").hidden = false;
+}
 const sampleRows = new Map();
 const checkpointRows = new Map();
 let job = null;
@@ -178,9 +193,11 @@ function handleEvent(event) {
   switch (event.type) {
     case "metrics":
       chart.add("loss", event.step, event.data?.loss);
+      addAccuracy("accuracy", event.step, event.data?.accuracy);
       return;
     case "eval":
       chart.add("eval_loss", event.step, event.data?.eval_loss);
+      addAccuracy("eval_accuracy", event.step, event.data?.eval_accuracy);
       break;
     case "sample":
       addSample(event);
@@ -216,6 +233,10 @@ async function loadMetrics() {
   }
   chart.set("loss", points.map((p) => ({ step: p.step, value: p.loss })));
   chart.set("eval_loss", points.map((p) => ({ step: p.step, value: p.eval_loss })));
+  for (const name of ["accuracy", "eval_accuracy"]) {
+    accuracyChart.set(name, points.map((p) => ({ step: p.step, value: p[name] ?? null })));
+  }
+  if (points.some((p) => (p.accuracy ?? p.eval_accuracy ?? null) !== null)) $("accuracy-card").hidden = false;
 }
 
 // Metrics events after `after` may repeat points loaded from /metrics; the chart keeps one per step.
