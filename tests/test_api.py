@@ -142,6 +142,18 @@ def test_unknown_job_is_404(client: TestClient) -> None:
         ),
         ({"hyperparameters": {"n_evals": 0}}, 422, "invalid_request", "hyperparameters.n_evals"),
         (
+            {"hyperparameters": {"early_stopping_patience": 3, "n_evals": 10}},  # (no validation data)
+            422,
+            "early_stopping_needs_evals",
+            None,
+        ),
+        (
+            {"validation_split": 0.1, "hyperparameters": {"early_stopping_patience": 3}},  # (no evals)
+            422,
+            "early_stopping_needs_evals",
+            None,
+        ),
+        (
             {"hyperparameters": {"batch_size": 3}, "resources": {"processes": 2}},
             422,
             "batch_size_not_divisible",

@@ -216,9 +216,7 @@ def step(n: int, loss: float, total: int = 20) -> dict[str, Any]:
 
 
 def series(page: Page, name: str, chart: str = "loss-chart") -> list[list[float]]:
-    return json.loads(
-        page.locator(f'#{chart} path[data-series="{name}"]').get_attribute("data-points") or ""
-    )
+    return json.loads(page.locator(f'#{chart} path[data-series="{name}"]').get_attribute("data-points") or "")
 
 
 def test_job_page_shows_history_updates_live_and_cancels(

@@ -118,6 +118,15 @@ class Hyperparameters(_Strict):
         "`checkpoint_every_steps`).",
     )
     keep_checkpoints: Annotated[int, Field(ge=1, le=100)] = 3
+    early_stopping_patience: Annotated[int, Field(ge=1, le=1000)] | None = Field(
+        default=None,
+        description="Stop once this many evals in a row have not lowered the eval loss (by more than "
+        "`early_stopping_threshold`) below its best; the job then succeeds with the weights it has, "
+        "its steps short of `total_steps`. Needs validation data and evals.",
+    )
+    early_stopping_threshold: Annotated[float, Field(ge=0)] = Field(
+        default=0.0, description="How much lower than the best an eval loss must be to count as better."
+    )
 
     def intervals(self, total_steps: int) -> tuple[int | None, int | None]:
         """(steps between evals, steps between checkpoints) in a run of `total_steps`: given, or
@@ -351,6 +360,16 @@ class JobSpec(_Strict):
     def _one_validation_source(self) -> JobSpec:
         if self.validation_uri is not None and self.validation_split is not None:
             raise ValueError("give validation_uri or validation_split, not both")
+        hyper = self.hyperparameters
+        if hyper.early_stopping_patience is not None and (
+            (self.validation_uri is None and self.validation_split is None)
+            or (hyper.eval_every_steps is None and hyper.n_evals is None)
+        ):
+            raise PydanticCustomError(
+                "early_stopping_needs_evals",
+                "early_stopping_patience counts evals of the eval loss: give validation_uri or "
+                "validation_split, and hyperparameters.eval_every_steps or n_evals",
+            )
         return self
 
 

@@ -451,6 +451,9 @@ class _Run:
         self.last_loss: float | None = None
         self.last_accuracy: float | None = None
         self.last_eval: Evaluated | None = None
+        # Early stopping: the best eval so far, and how many evals since have not bettered it.
+        self.best_eval: tuple[int, float] | None = None
+        self.stale_evals = 0
         self.status_count = 0
         # Tells this attempt's status messages from an earlier one's: a restarted worker says "loading ..."
         # at step 0 again, which the API would otherwise drop as a retry of the first attempt's report.
@@ -545,6 +548,9 @@ class _Run:
         state, position = self.checkpoints.restore(latest, abstract)
         self.trained_tokens, self.last_loss = int(position.get("trained_tokens", 0)), position.get("loss")
         self.last_accuracy = position.get("accuracy")  # (None from a checkpoint saved before it was kept)
+        if position.get("best_eval_step") is not None:
+            self.best_eval = (int(position["best_eval_step"]), float(position["best_eval_loss"]))
+            self.stale_evals = int(position.get("stale_evals", 0))
         self.status(f"resumed from the checkpoint at step {latest}", "loading", step=latest)
         return state, frozen, latest
 
@@ -594,7 +600,8 @@ class _Run:
         if start == 0:
             self._sample(state, frozen, "before", 0)
             if self.eval_data is not None and eval_every is not None:
-                self._evaluate(state, frozen, 0)  # the baseline every later eval loss is read against
+                # The baseline every later eval loss is read against (early stopping's first best).
+                self._no_better(self._evaluate(state, frozen, 0))
 
         self.status(
             f"training for {self.total_steps - start} of {self.total_steps} steps", "training", step=start
@@ -617,10 +624,14 @@ class _Run:
                 continue
             # Read this step's metrics now, so its checkpoint report carries them.
             stop, pending = self._record(*pending), None
+            early = None
             if stop == STOP_NONE and eval_due:
-                self._evaluate(state, frozen, step)
+                early = self._no_better(self._evaluate(state, frozen, step))
             if stop == STOP_NONE and checkpoint_due:
                 self._save(state, step)
+            if early is not None:  # (every process saw the same eval loss: they all stop here)
+                self.status(early, step=step)
+                break
         if pending is not None:
             stop = max(stop, self._record(*pending))
         train_seconds = time.monotonic() - started
@@ -638,7 +649,9 @@ class _Run:
             self.status(f"cancelled by the user at step {step}; a checkpoint was saved", step=step)
             return EXIT_OK
 
-        evaluated = self._evaluate(state, frozen, step) if self.eval_data else None
+        evaluated = self.last_eval if self.last_eval is not None and self.last_eval.step == step else None
+        if evaluated is None and self.eval_data is not None:
+            evaluated = self._evaluate(state, frozen, step)
         if self.checkpoints.latest_step() != step:
             self._save(state, step)
         output = self._export(state, frozen, step)
@@ -719,12 +732,35 @@ class _Run:
         )
         return evaluated
 
+    def _no_better(self, evaluated: Evaluated) -> str | None:
+        """Early stopping: why the run stops now, if `early_stopping_patience` evals in a row have not
+        bettered the best eval loss (by more than `early_stopping_threshold`)."""
+        patience = self.hyper.early_stopping_patience
+        if patience is None:
+            return None
+        if self.best_eval is None or evaluated.loss < self.best_eval[1] - self.hyper.early_stopping_threshold:
+            self.best_eval, self.stale_evals = (evaluated.step, evaluated.loss), 0
+            return None
+        self.stale_evals += 1
+        if self.stale_evals < patience:
+            return None
+        best_step, best = self.best_eval
+        return (
+            f"stopping early at step {evaluated.step} of {self.total_steps}: {self.stale_evals} evals in a "
+            f"row have not bettered the eval loss of step {best_step} ({best:.4f}); the weights exported are "
+            "this step's (the checkpoints list each eval's loss)"
+        )
+
     def _save(self, state: Params, step: int) -> None:
+        best_step, best = self.best_eval if self.best_eval is not None else (None, None)
         position = {
             **self.train_data.position(step),
             "trained_tokens": self.trained_tokens,
             "loss": self.last_loss,
             "accuracy": self.last_accuracy,
+            "best_eval_step": best_step,
+            "best_eval_loss": best,
+            "stale_evals": self.stale_evals,
         }
         self.checkpoints.save(step, state, position)
         evaluated = self.last_eval if self.last_eval is not None and self.last_eval.step == step else None

@@ -392,6 +392,61 @@ def test_a_job_too_big_for_the_memory_fails_at_once_saying_what_to_change(
     assert train.out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Out of memory")) is None  # (XLA's only)
 
 
+def test_early_stopping_ends_a_run_whose_eval_loss_stops_improving(
+    tmp_path: Path, story_corpus: Path, tiny_tokenizer_path: Path
+) -> None:
+    """early_stopping_patience: so many evals in a row not better than the best (the baseline's here:
+    a learning rate too small to move the loss by the threshold) end the run as a success, at that step,
+    with its weights exported."""
+    config = tiny_config(
+        tmp_path,
+        story_corpus,
+        tiny_tokenizer_path,
+        spec={"validation_split": 0.05},
+        max_steps=40,
+        learning_rate=1e-9,
+        eval_every_steps=2,
+        early_stopping_patience=2,
+        early_stopping_threshold=0.01,
+    )
+    recorder = Recorder()
+    assert train.run(config, recorder, TEST_OPTIONS) == EXIT_OK
+    assert [e.step for e in recorder.of_kind("eval")] == [0, 2, 4]  # (none again at the end)
+    assert sorted(losses(recorder.reports)) == [1, 2, 3, 4]
+    stopped = [s.message for s in recorder.of_kind("status") if "stopping early" in s.message]
+    assert stopped == [
+        "stopping early at step 4 of 40: 2 evals in a row have not bettered the eval loss of step 0 "
+        f"({recorder.of_kind('eval')[0].eval_loss:.4f}); the weights exported are this step's (the "
+        "checkpoints list each eval's loss)"
+    ]
+    (result,) = recorder.of_kind("result")
+    assert result.step == 4 and result.eval_loss == recorder.of_kind("eval")[-1].eval_loss
+    assert [c.step for c in recorder.of_kind("checkpoint")] == [4]
+    assert (tmp_path / "final" / "params").exists()
+
+
+def test_early_stopping_counts_on_across_a_resume(
+    tmp_path: Path, story_corpus: Path, tiny_tokenizer_path: Path
+) -> None:
+    """The best eval and the evals since are kept in the checkpoint: a run resumed from it stops at the
+    same eval as one that was never stopped."""
+    hyper = {"learning_rate": 1e-9, "eval_every_steps": 2, "early_stopping_patience": 2}
+    hyper["early_stopping_threshold"] = 0.01
+    spec = {"validation_split": 0.05}
+    first = Recorder()  # (evals at 0, the best, and 2, not better; its end saved at step 3)
+    config = tiny_config(tmp_path, story_corpus, tiny_tokenizer_path, spec=spec, max_steps=3, **hyper)
+    assert train.run(config, first, TEST_OPTIONS) == EXIT_OK
+    assert [e.step for e in first.of_kind("eval")] == [0, 2, 3] and first.of_kind("result")
+    longer = tiny_config(tmp_path, story_corpus, tiny_tokenizer_path, spec=spec, max_steps=40, **hyper)
+    resumed = Recorder()
+    assert train.run(longer, resumed, TEST_OPTIONS) == EXIT_OK
+    assert "resumed from the checkpoint at step 3" in [s.message for s in resumed.of_kind("status")]
+    # The eval at 4 is the second in a row not better than step 0's.
+    assert [e.step for e in resumed.of_kind("eval")] == [4]
+    (result,) = resumed.of_kind("result")
+    assert result.step == 4
+
+
 def test_a_pause_from_the_api_stops_with_a_checkpoint_the_next_run_goes_on_from(
     tmp_path: Path, story_corpus: Path, tiny_tokenizer_path: Path
 ) -> None:
