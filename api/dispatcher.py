@@ -656,7 +656,10 @@ class Dispatcher:
             )
         elif seen.exit_code == EXIT_OK and not job.error_code:
             self._keep_log(session, job)
-            service.transition(session, job, JobStatus.succeeded, "Training finished.")
+            finished = "Training finished."
+            if job.total_steps and job.step < job.total_steps:  # (its worker stopped it: early stopping)
+                finished = f"Training finished early, at step {job.step} of {job.total_steps}."
+            service.transition(session, job, JobStatus.succeeded, finished)
         elif seen.exit_code == EXIT_PREEMPTED:
             self._restart(session, job)
         else:

@@ -88,6 +88,8 @@ def main() -> int:
         if runs < int(config.spec.metadata.get("preempts", "1")):
             return EXIT_PREEMPTED
     step = 0
+    # total_steps: more than it runs, as a run that stops early (early_stopping_patience) reports them.
+    total = int(config.spec.metadata.get("total_steps", steps))
     if config.spec.metadata.get("resume") == "checkpoint" and (out / "checkpoint.json").exists():
         step = json.loads((out / "checkpoint.json").read_text())["step"]  # (as the real worker resumes)
         print(f"resumed from the checkpoint at step {step}", flush=True)
@@ -97,7 +99,13 @@ def main() -> int:
     while mode in ("hang", "slow") or step < steps:
         step += 1
         send(
-            {"kind": "metrics", "step": step, "total_steps": steps, "loss": 3.0 / step, "learning_rate": 1e-4}
+            {
+                "kind": "metrics",
+                "step": step,
+                "total_steps": total,
+                "loss": 3.0 / step,
+                "learning_rate": 1e-4,
+            }
         )
         if mode == "crash_once" and step == 3 and not (out / "crashed").exists():
             # On its first run: saves a checkpoint at step 3, then dies (a fault its owner retries).

@@ -77,6 +77,11 @@ def test_success(live_api, dataset: Path) -> None:  # type: ignore[no-untyped-de
     assert usage["chips"] == 1 and usage["chip_unit"] == "processes"
     assert usage["held_seconds"] == pytest.approx(ran.total_seconds(), abs=0.05) and ran.total_seconds() > 0
     assert usage["chip_hours"] == pytest.approx(usage["held_seconds"] / 3600, abs=1e-4)
+    assert job["status_message"] == "Training finished."
+    # A run its worker ended early (early stopping) says so: its progress stops short.
+    early = api.wait_for(submit(api, dataset, steps="3", total_steps="30"), lambda j: j["status"] in FINAL)
+    assert early["status"] == "succeeded" and early["progress"]["fraction"] == 0.1
+    assert early["status_message"] == "Training finished early, at step 3 of 30."
     with api.client() as http:
         logs = http.get(f"/jobs/{job_id}/logs").json()
     assert any("fake worker" in line for line in logs["lines"])
