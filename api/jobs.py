@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, func, insert, update
+from sqlalchemy import bindparam, delete, func, insert, update
 from sqlalchemy import select as sa_select
 from sqlalchemy import text as sql_text
 from sqlalchemy.engine import Connection, Engine
@@ -1126,8 +1126,36 @@ def _event_for(report: Any) -> tuple[str, str, str]:
     raise AssertionError(report)
 
 
+def _rewind(session: Session, job: Job, step: int) -> None:
+    """A run went on from the job's checkpoint at `step`: an earlier run's metrics and evals of the steps
+    after it (a crashed run's since its last checkpoint, which this run trains again) are dropped, for this
+    run's to take their place, and the job's progress and figures go back to that step's."""
+    events = JobEvent.__table__  # type: ignore[attr-defined]
+    mine = events.c.job_seq == job.seq
+    dropped = session.execute(
+        delete(events).where(mine, events.c.type.in_(("metrics", "eval")), events.c.step > step)
+    )
+    if not dropped.rowcount and job.step <= step:  # type: ignore[attr-defined]
+        return
+    values: dict[str, Any] = {"step": min(job.step, step)}
+    for kind, fields in (("metrics", ("loss", "accuracy")), ("eval", ("eval_loss", "eval_accuracy"))):
+        latest = session.execute(
+            sa_select(events.c.data)
+            .where(mine, events.c.type == kind)
+            .order_by(events.c.step.desc(), events.c.id.desc())
+            .limit(1)
+        ).scalar()
+        values.update({field: (latest or {}).get(field) for field in fields})
+    jobs = Job.__table__  # type: ignore[attr-defined]
+    session.execute(update(jobs).where(jobs.c.seq == job.seq).values(**values))
+    for name, value in values.items():
+        set_committed_value(job, name, value)  # (what `_aggregate` then goes on from)
+
+
 def _insert_ignore(session: Session, rows: list[dict[str, Any]]) -> set[str]:
     """Insert event rows, skipping ones whose dedupe key exists; returns the keys inserted."""
+    if not rows:
+        return set()
     insert = upsert_insert(session.get_bind())
     # The rows are parameters of one statement that SQLAlchemy compiles once and caches (it still sends
     # them as multi-row INSERTs); `.values(rows)` made each batch a new statement to build and compile.
@@ -1164,8 +1192,18 @@ def ingest_progress(session: Session, job: Job, batch: ProgressBatch) -> Progres
                 "dedupe_key": dedupe_key,
             }
         )
+    # A run going on from its checkpoint (a resume, or a restart after a crash) says so first: once stored
+    # (not again for a retried batch), what an earlier run reported past that step goes before the rest.
+    resumes = {
+        key
+        for key, report in by_key.items()
+        if isinstance(report, StatusReport) and report.resumed_from is not None
+    }
     try:
-        inserted = _insert_ignore(session, rows)
+        inserted = _insert_ignore(session, [row for row in rows if row["dedupe_key"] in resumes])
+        for key in sorted(inserted, key=lambda k: by_key[k].resumed_from):
+            _rewind(session, job, by_key[key].resumed_from)
+        inserted |= _insert_ignore(session, [row for row in rows if row["dedupe_key"] not in resumes])
     except IntegrityError:  # (the job deleted since its token was checked: its foreign key refuses them)
         session.rollback()
         raise invalid_job_token() from None

@@ -98,6 +98,48 @@ def test_reports_update_the_job(client: TestClient, dataset: Path) -> None:
     assert types.count("metrics") == 3 and "checkpoint" in types and "eval" in types
 
 
+def test_a_run_resumed_from_its_checkpoint_replaces_what_an_earlier_run_reported_past_it(
+    client: TestClient, dataset: Path
+) -> None:
+    """A run that crashed at step 8 after a checkpoint at 5: the next run trains 6.. again. Its resume
+    report drops the first run's metrics and evals of steps 6-8 (kept, they hid the new run's: each step is
+    stored once) and takes the job's progress back to 5; a retried batch does not drop the new run's."""
+    job_id, token = started_job(client, dataset)
+    first = [metrics(s, 4.0 - s * 0.1, accuracy=0.1) for s in range(1, 9)]
+    evals = [{"kind": "eval", "step": s, "eval_loss": 9.0 - s, "eval_accuracy": s / 10} for s in (4, 8)]
+    post(client, job_id, token, [*first, *evals, {"kind": "checkpoint", "step": 5, "uri": "/o/5"}])
+    assert client.get(f"/jobs/{job_id}").json()["progress"]["step"] == 8
+    resumed = {"kind": "status", "step": 5, "key": "loading-b-1", "message": "resumed", "resumed_from": 5}
+    again = [resumed, metrics(6, 1.5, accuracy=0.6)]
+    assert post(client, job_id, token, again).json() == {
+        "accepted": 2,
+        "duplicates": 0,
+        "job_status": "running",
+    }
+    job = client.get(f"/jobs/{job_id}").json()
+    assert job["progress"]["step"] == 6 and job["metrics"]["loss"] == 1.5
+    # (the eval of step 4, the latest left)
+    assert (job["metrics"]["eval_loss"], job["metrics"]["eval_accuracy"]) == (5.0, 0.4)
+    points = client.get(f"/jobs/{job_id}/metrics").json()["data"]
+    assert [(p["step"], p["loss"]) for p in points][4:] == [(5, 3.5), (6, 1.5)]
+    # A retried batch (its answer lost) is a duplicate; the next one goes on.
+    assert post(client, job_id, token, again).json()["duplicates"] == 2
+    post(client, job_id, token, [metrics(7, 1.4), {"kind": "eval", "step": 8, "eval_loss": 1.2}])
+    assert post(client, job_id, token, again).json()["duplicates"] == 2
+    points = client.get(f"/jobs/{job_id}/metrics").json()["data"]
+    # (its eval of step 8 stored: the first run's had taken its place)
+    assert [(p["step"], p["loss"], p["eval_loss"]) for p in points][5:] == [
+        (6, 1.5, None),
+        (7, 1.4, None),
+        (8, None, 1.2),
+    ]
+    job = client.get(f"/jobs/{job_id}").json()
+    assert job["progress"]["step"] == 7 and job["metrics"]["eval_loss"] == 1.2
+    # A resume where the run had got to (a preemption's checkpoint, saved as it stopped) drops nothing.
+    post(client, job_id, token, [{**resumed, "key": "loading-c-1", "step": 8, "resumed_from": 8}])
+    assert len(client.get(f"/jobs/{job_id}/metrics").json()["data"]) == 8
+
+
 def test_reports_are_idempotent(client: TestClient, dataset: Path) -> None:
     job_id, token = started_job(client, dataset)
     batch = [

@@ -66,6 +66,12 @@ class StatusReport(_Report):
     kind: Literal["status"] = "status"
     phase: Literal["loading", "compiling", "training", "evaluating", "saving", "exporting"] | None = None
     message: Annotated[Reported, Field(max_length=2000)]
+    resumed_from: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = Field(
+        default=None,
+        description="This run goes on from its checkpoint at this step: what an earlier run reported of "
+        "the steps after it (a crash's since its last checkpoint) is dropped, and the job's progress goes "
+        "back to it; this run's reports of those steps take their place.",
+    )
 
 
 class MetricsReport(_Report):

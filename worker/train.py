@@ -459,12 +459,14 @@ class _Run:
         # at step 0 again, which the API would otherwise drop as a retry of the first attempt's report.
         self.attempt = secrets.token_hex(4)
 
-    def status(self, message: str, phase: Any = None, step: int = 0) -> None:
+    def status(self, message: str, phase: Any = None, step: int = 0, resumed_from: int | None = None) -> None:
         log.info("%s", message)
         # Several messages can share a step: the key keeps each one (the API stores one per kind/step/key).
         self.status_count += 1
         key = f"{phase or 'note'}-{self.attempt}-{self.status_count}"
-        self.reporter.send(StatusReport(step=step, phase=phase, message=message, key=key))
+        self.reporter.send(
+            StatusReport(step=step, phase=phase, message=message, key=key, resumed_from=resumed_from)
+        )
 
     def _report_data(self, steps_per_epoch: int) -> None:
         """What the data came to, summed over the processes (each read and packed its own shards)."""
@@ -551,7 +553,9 @@ class _Run:
         if position.get("best_eval_step") is not None:
             self.best_eval = (int(position["best_eval_step"]), float(position["best_eval_loss"]))
             self.stale_evals = int(position.get("stale_evals", 0))
-        self.status(f"resumed from the checkpoint at step {latest}", "loading", step=latest)
+        self.status(
+            f"resumed from the checkpoint at step {latest}", "loading", step=latest, resumed_from=latest
+        )
         return state, frozen, latest
 
     def _initial_params(self, shardings: tuple[Any, Any]) -> tuple[Params, Params]:

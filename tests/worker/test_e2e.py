@@ -193,8 +193,12 @@ def test_a_real_worker_killed_fails_the_job_and_resumed_it_goes_on_from_its_chec
     with api.client() as http:
         points = http.get(f"/jobs/{job_id}/metrics").json()["data"]
         statuses = http.get(f"/jobs/{job_id}/events", params={"type": "status", "limit": 1000}).json()["data"]
+        trained = http.get(f"/jobs/{job_id}/events", params={"type": "metrics", "limit": 1000}).json()["data"]
     assert [p["step"] for p in points if p["loss"] is not None] == list(range(1, total + 1))
-    assert f"resumed from the checkpoint at step {max(saved)}" in [e["message"] for e in statuses]
+    [resumed] = [e for e in statuses if e["message"] == f"resumed from the checkpoint at step {max(saved)}"]
+    # The steps after the checkpoint that the killed run had trained are the resumed run's (trained again).
+    assert all(e["id"] > resumed["id"] for e in trained if e["step"] > max(saved))
+    assert [e["step"] for e in trained if e["id"] < resumed["id"]] == list(range(1, max(saved) + 1))
 
 
 @pytest.mark.timeout(600)  # two processes each import gemma and compile: minutes on a busy 2-core machine

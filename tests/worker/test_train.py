@@ -469,6 +469,10 @@ def test_a_pause_from_the_api_stops_with_a_checkpoint_the_next_run_goes_on_from(
     assert f"resumed from the checkpoint at step {checkpoint.step}" in [
         s.message for s in resumed.of_kind("status")
     ]
+    # (which tells the API to drop what an earlier run reported past it)
+    assert [s.resumed_from for s in resumed.of_kind("status") if s.resumed_from is not None] == [
+        checkpoint.step
+    ]
     steps = sorted(losses(resumed.reports))
     assert steps[0] == checkpoint.step + 1 and resumed.of_kind("result")
 
