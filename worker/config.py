@@ -357,7 +357,7 @@ class JobSpec(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _one_validation_source(self) -> JobSpec:
+    def _one_validation_source_and_evals_for_early_stopping(self) -> JobSpec:
         if self.validation_uri is not None and self.validation_split is not None:
             raise ValueError("give validation_uri or validation_split, not both")
         hyper = self.hyperparameters

@@ -11,6 +11,7 @@ Kinds:
 - `status`:     a phase change or message (`message`, optional `phase` in loading|compiling|training|
                 evaluating|saving|exporting); give each message at one step its own `key`, or it is
                 taken for a retry of the first. The first report of any kind moves the job to `running`.
+                A run that goes on from a checkpoint says so (`resumed_from`: its step) before any step.
 - `metrics`:    one training step's figures (loss, token accuracy, learning rate, ...); the job's latest
                 metrics and progress follow the highest step received.
 - `eval`:       an eval loss (and token accuracy) at a step.
@@ -80,7 +81,7 @@ class MetricsReport(_Report):
     epoch: Annotated[float, Field(ge=0)] | None = None
     loss: float | None = Field(default=None, description="Mean loss over the step's real target tokens.")
     accuracy: Accuracy | None = Field(
-        default=None, description="The share of the step's target tokens the model predicted (its argmax)."
+        default=None, description="The share of the step's target tokens the model ranked first."
     )
     learning_rate: float | None = None
     grad_norm: float | None = None
