@@ -299,6 +299,12 @@ def test_job_page_shows_history_updates_live_and_cancels(
     assert page.locator("#progress").get_attribute("value") == "0.5"
     expect(page.locator("#f-tps")).to_have_text("1,234")
     expect(page.locator("#f-accuracy")).to_have_text("30.0%")
+    # What it was submitted with, defaults filled in, behind a disclosure.
+    expect(page.locator("#f-spec")).to_be_hidden()
+    page.locator("#spec summary").click()
+    expect(page.locator("#f-spec")).to_contain_text('"lr_scheduler": "cosine"')
+    with api.client() as http:
+        assert json.loads(page.locator("#f-spec").inner_text()) == http.get(f"/jobs/{job_id}").json()["spec"]
     expect(page.locator("#f-eval-accuracy")).to_have_text("27.5%")
     expect(page.locator("#f-data")).to_have_text(
         "3,800 documents, 512,340 tokens in 7,900 rows of 64 (0.2% padding); 987 steps an epoch; "

@@ -96,6 +96,7 @@ function showJob(next) {
   if (eta > 0 && moving) progress += ` · about ${formatDuration(eta)} left`;
   $("progress-text").textContent = progress;
 
+  $("f-spec").textContent = JSON.stringify(job.spec, null, 2);
   $("f-model").textContent = job.model;
   $("f-method").textContent = job.method;
   $("f-executor").textContent = job.executor;
