@@ -96,7 +96,8 @@ function showJob(next) {
   if (eta > 0 && moving) progress += ` · about ${formatDuration(eta)} left`;
   $("progress-text").textContent = progress;
 
-  $("f-spec").textContent = JSON.stringify(job.spec, null, 2);
+  const spec = JSON.stringify(job.spec, null, 2);
+  if ($("f-spec").textContent !== spec) $("f-spec").textContent = spec; // (unchanged: its scroll stays)
   $("f-model").textContent = job.model;
   $("f-method").textContent = job.method;
   $("f-executor").textContent = job.executor;
