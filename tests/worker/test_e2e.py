@@ -16,7 +16,7 @@ FINAL = ("succeeded", "failed", "cancelled")
 WORKER = f"{shlex.quote(sys.executable)} -m worker --compute-dtype float32 --sample-tokens 4"
 
 
-def submit(api, corpus: Path, tokenizer: Path, steps: int, **extra: object) -> str:  # type: ignore[no-untyped-def]
+def submit(api, corpus: Path, tokenizer: Path, steps: int, epochs: int = 1, **extra: object) -> str:  # type: ignore[no-untyped-def]
     body = {
         "name": "e2e",
         "model": "tiny",
@@ -25,6 +25,7 @@ def submit(api, corpus: Path, tokenizer: Path, steps: int, **extra: object) -> s
         "validation_split": 0.05,
         "hyperparameters": {
             "max_steps": steps,
+            "epochs": epochs,
             "batch_size": 8,
             "max_seq_len": 64,
             "learning_rate": 3e-3,
@@ -176,7 +177,9 @@ def test_a_real_worker_killed_fails_the_job_and_resumed_it_goes_on_from_its_chec
     import signal
 
     api = worker_api()
-    job_id = submit(api, story_corpus, tiny_tokenizer_path, steps=300)  # (a checkpoint at step 150)
+    # A checkpoint at step 150 of 300 (an epoch is 195 steps: with one, the run had reached its end, and
+    # saved it, before the kill at step 160 landed, on an idle machine).
+    job_id = submit(api, story_corpus, tiny_tokenizer_path, steps=300, epochs=2)
     api.wait_for(job_id, lambda j: j["progress"]["step"] >= 160 or j["status"] in FINAL, timeout=240)
     runner = json.loads((api.settings.jobs_dir / job_id / "runner.json").read_text())["pid"]
     os.killpg(runner, signal.SIGKILL)
