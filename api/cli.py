@@ -68,7 +68,7 @@ def _num(value: float | None, fmt: str = ".4f") -> str:
 def _accuracies(metrics: dict[str, Any]) -> str:
     """The token accuracies there are, as " acc 41.2% eval-acc 38.0%" (none from a worker that sends none)."""
     named = (("acc", metrics.get("accuracy")), ("eval-acc", metrics.get("eval_accuracy")))
-    return "".join(f" {name} {value:.1%}" for name, value in named if value is not None)
+    return "".join(f" {name} {_percent(value)}" for name, value in named if value is not None)
 
 
 def progress_line(job: dict[str, Any], width: int = 24) -> str:

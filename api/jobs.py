@@ -1258,7 +1258,7 @@ def _aggregate(job: Job, reports: list[Any]) -> dict[str, Any]:
             case CheckpointReport():
                 values["checkpoint_uri"] = report.uri
             case ResultReport():
-                for field in ("loss", "eval_loss", "accuracy", "eval_accuracy", "trained_tokens"):
+                for field in (*CHECKPOINT_FIELDS, "trained_tokens"):
                     if getattr(report, field) is not None:
                         values[field] = getattr(report, field)
                 values["eta_seconds"] = 0.0
