@@ -119,9 +119,17 @@ def _print_job(job: dict[str, Any]) -> None:
         print(f"  {line}")
     if line := data_line(job):
         print(f"  {line}")
-    print(f"  output: {job['output_uri']}")
+    print(f"  output: {job['output_uri']}{exported_note(job)}")
     if job.get("checkpoint_uri"):
         print(f"  latest checkpoint: {job['checkpoint_uri']}")
+
+
+def exported_note(job: dict[str, Any]) -> str:
+    """Of a job that exported the weights of an earlier step than its last (export_best): which; else ""."""
+    exported = job.get("exported_step")
+    if exported is None or exported == job["progress"]["step"]:
+        return ""
+    return f" (the weights of step {exported}, of the lowest eval loss)"
 
 
 def interruptions_line(job: dict[str, Any]) -> str | None:

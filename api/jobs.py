@@ -84,7 +84,7 @@ JOB_COLUMNS = (
     *("eval_loss", "accuracy", "eval_accuracy", "learning_rate", "tokens_per_second", "trained_tokens"),
     *("restarts", "preemptions"),
     *("admitted_at", "held_seconds", "pauses", "retries", "data_stats"),
-    *("error_code", "error_message", "output_uri", "checkpoint_uri"),
+    *("error_code", "error_message", "output_uri", "exported_step", "checkpoint_uri"),
 )
 JobRow = namedtuple("JobRow", JOB_COLUMNS)  # type: ignore[misc]
 
@@ -138,7 +138,7 @@ class NewJob:
             f'"usage":{{"chips":{tpu.chips_of(self.spec.resources, row["executor"])},'
             f'"chip_unit":{text(tpu.chip_unit(row["executor"]))},"held_seconds":0.0,"chip_hours":0.0}},'
             '"error":null,'
-            f'"output_uri":{text(row["output_uri"])},'
+            f'"output_uri":{text(row["output_uri"])},"exported_step":null,'
             f'"checkpoint_uri":null,"metadata":{_json(self.spec.metadata)},"spec":{self.spec_json}}}'
         )
 
@@ -1099,11 +1099,13 @@ def _event_for(report: Any) -> tuple[str, str, str]:
         case SampleReport():
             return "sample", "info", f"Sample {report.phase} training: {report.prompt} → {report.text[:500]}"
         case ResultReport():
-            return (
-                "result",
-                "info",
-                "Training finished." + (f" Output: {report.output_uri}" if report.output_uri else ""),
-            )
+            chosen = ""
+            if report.exported_step is not None and report.exported_step != report.step:
+                eval_loss = f", {report.eval_loss:.4f}" if report.eval_loss is not None else ""
+                chosen = f" Exported the weights of step {report.exported_step}"
+                chosen += f" (the lowest eval loss{eval_loss})."
+            output = f" Output: {report.output_uri}" if report.output_uri else ""
+            return "result", "info", f"Training finished.{chosen}{output}"
         case ErrorReport():
             return "error", "error", f"{report.code}: {report.message}"
         case WarningReport():
@@ -1258,8 +1260,10 @@ def _aggregate(job: Job, reports: list[Any]) -> dict[str, Any]:
             case CheckpointReport():
                 values["checkpoint_uri"] = report.uri
             case ResultReport():
-                for field in (*CHECKPOINT_FIELDS, "trained_tokens"):
-                    if getattr(report, field) is not None:
+                # The figures of the weights exported: another step's (export_best) are its own, None too.
+                chosen = report.exported_step not in (None, report.step)
+                for field in (*CHECKPOINT_FIELDS, "trained_tokens", "exported_step"):
+                    if getattr(report, field) is not None or (chosen and field in CHECKPOINT_FIELDS):
                         values[field] = getattr(report, field)
                 values["eta_seconds"] = 0.0
             case ErrorReport():

@@ -98,6 +98,8 @@ class Job(SQLModel, table=True):
     error_message: str | None = Field(default=None, max_length=4000)
     output_uri: str = Field(max_length=2048)
     checkpoint_uri: str | None = Field(default=None, max_length=2048)
+    # The step whose weights its export holds, as its result reported it (migration 0023).
+    exported_step: int | None = None
 
     token_hash: str | None = Field(default=None, max_length=64)
     launch: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))

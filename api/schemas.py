@@ -76,6 +76,9 @@ class JobProgress(BaseModel):
 
 
 class JobMetrics(BaseModel):
+    """While it runs, its latest step's and eval's figures; once it succeeded, those of the weights it
+    exported (`exported_step`: with `export_best`, the lowest eval loss's step)."""
+
     loss: float | None
     eval_loss: float | None
     accuracy: float | None = Field(
@@ -157,6 +160,10 @@ class JobPublic(BaseModel):
     usage: JobUsage = Field(description="What it has held: chips, and for how long.")
     error: JobError | None
     output_uri: str
+    exported_step: int | None = Field(
+        description="Of a job that succeeded: the step whose weights its export (`output_uri`/final) holds, "
+        "its last or, with `hyperparameters.export_best`, the one of its lowest eval loss; else null."
+    )
     checkpoint_uri: str | None
     metadata: dict[str, str]
     spec: JobSpec
@@ -211,6 +218,7 @@ class JobPublic(BaseModel):
                 else None
             ),
             output_uri=job.output_uri,
+            exported_step=job.exported_step,
             checkpoint_uri=job.checkpoint_uri,
             metadata=spec.metadata,
             spec=spec,

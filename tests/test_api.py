@@ -154,6 +154,18 @@ def test_unknown_job_is_404(client: TestClient) -> None:
             None,
         ),
         (
+            {"hyperparameters": {"export_best": True, "n_evals": 10}},  # (no validation data)
+            422,
+            "export_best_needs_evals",
+            None,
+        ),
+        (
+            {"validation_split": 0.1, "hyperparameters": {"export_best": True}},
+            422,
+            "export_best_needs_evals",
+            None,
+        ),
+        (
             {"hyperparameters": {"batch_size": 3}, "resources": {"processes": 2}},
             422,
             "batch_size_not_divisible",

@@ -14,7 +14,15 @@ from typing import Any
 import pytest
 from sqlmodel import Session, select
 
-from api.cli import data_line, interruptions_line, main, progress_line, queue_place, usage_line
+from api.cli import (
+    data_line,
+    exported_note,
+    interruptions_line,
+    main,
+    progress_line,
+    queue_place,
+    usage_line,
+)
 from api.client import Client
 from api.jobs import transition
 from api.models import Job, utcnow
@@ -335,6 +343,19 @@ def test_pause_stops_a_running_job_and_resume_runs_it_again(live_api, dataset: P
 )
 def test_progress_line(job: dict, expected: str) -> None:
     assert progress_line(job) == expected
+
+
+@pytest.mark.parametrize(
+    ("exported", "expected"),
+    [
+        (None, ""),  # (not succeeded)
+        (40, ""),  # (its last step's weights)
+        (24, " (the weights of step 24, of the lowest eval loss)"),
+        (0, " (the weights of step 0, of the lowest eval loss)"),  # (the base model's)
+    ],
+)
+def test_exported_note(exported: int | None, expected: str) -> None:
+    assert exported_note({"exported_step": exported, "progress": {"step": 40}}) == expected
 
 
 @pytest.mark.parametrize(

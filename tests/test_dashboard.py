@@ -347,6 +347,13 @@ def test_job_page_shows_history_updates_live_and_cancels(
     expect(checkpoints).to_have_count(3, timeout=5_000)
     expect(page.locator("#progress-text")).to_contain_text("Step 11 of 20", timeout=5_000)
     expect(page.locator("#f-accuracy")).to_have_text("33.0%")
+    expect(page.locator("#f-exported")).to_have_text("—")
+    # Its result (export_best): the weights of step 10, whose eval loss was the lowest, and their figures.
+    result = {"kind": "result", "step": 11, "exported_step": 10, "output_uri": "/out/final", "loss": 1.7}
+    report(api, job_id, token, [{**result, "eval_loss": 1.4, "accuracy": 0.3, "eval_accuracy": 0.35}])
+    expect(page.locator("#f-exported")).to_have_text("step 10 (the lowest eval loss)", timeout=5_000)
+    expect(page.locator("#f-eval-loss")).to_have_text("1.4")
+    expect(page.locator('#events li[data-type="result"]')).to_contain_text("Exported the weights of step 10")
     screenshot(page, "job")
 
     page.once("dialog", lambda dialog: dialog.accept())
@@ -395,7 +402,7 @@ def test_fresh_queued_job_renders_and_cancels(
     assert series(page, "loss") == [] and series(page, "eval_loss") == []
     expect(page.locator("#accuracy-card")).to_be_hidden()  # (none yet)
     expect(page.locator("#progress-text")).to_have_text("Step 0")
-    for field in ("#f-loss", "#f-eval-loss", "#f-accuracy", "#f-eval-accuracy", "#f-tps"):
+    for field in ("#f-loss", "#f-eval-loss", "#f-accuracy", "#f-eval-accuracy", "#f-tps", "#f-exported"):
         expect(page.locator(field)).to_have_text("—")
     for field in ("#f-started", "#f-finished"):
         expect(page.locator(field)).to_have_text("—")

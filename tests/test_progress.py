@@ -98,6 +98,42 @@ def test_reports_update_the_job(client: TestClient, dataset: Path) -> None:
     assert types.count("metrics") == 3 and "checkpoint" in types and "eval" in types
 
 
+def test_a_result_of_the_lowest_eval_gives_the_job_that_step_and_its_figures(
+    client: TestClient, dataset: Path
+) -> None:
+    """export_best: the result names the step whose weights were exported (its eval the lowest) and carries
+    that step's figures, which the job's metrics become, a figure the step lacks too (the base weights,
+    step 0, have no train loss); a result of the last step only adds to what the job has."""
+    job_id, token = started_job(client, dataset)
+    evals = [
+        {"kind": "eval", "step": s, "eval_loss": loss, "eval_accuracy": 0.3}
+        for s, loss in ((2, 1.5), (4, 1.9))
+    ]
+    post(client, job_id, token, [metrics(s, 3.0 - s * 0.1, accuracy=0.2) for s in range(1, 5)] + evals)
+    assert client.get(f"/jobs/{job_id}").json()["exported_step"] is None
+    result = {"kind": "result", "step": 4, "exported_step": 2, "output_uri": "/o/final", "eval_loss": 1.5}
+    post(client, job_id, token, [{**result, "loss": 2.8, "accuracy": 0.2, "eval_accuracy": 0.3}])
+    job = client.get(f"/jobs/{job_id}").json()
+    assert job["exported_step"] == 2 and job["progress"]["step"] == 4
+    assert (job["metrics"]["loss"], job["metrics"]["eval_loss"]) == (2.8, 1.5)
+    (event,) = [e for e in client.get(f"/jobs/{job_id}/events").json()["data"] if e["type"] == "result"]
+    assert event["message"] == (
+        "Training finished. Exported the weights of step 2 (the lowest eval loss, 1.5000). Output: /o/final"
+    )
+
+    base_job, base_token = started_job(client, dataset)  # (the baseline's eval the lowest)
+    post(client, base_job, base_token, [metrics(1, 3.0), {"kind": "result", "step": 1, "exported_step": 0}])
+    job = client.get(f"/jobs/{base_job}").json()
+    assert job["exported_step"] == 0 and job["metrics"]["loss"] is None
+
+    last_job, last_token = started_job(client, dataset)
+    post(client, last_job, last_token, [metrics(1, 3.0), {"kind": "result", "step": 1, "exported_step": 1}])
+    job = client.get(f"/jobs/{last_job}").json()
+    assert job["exported_step"] == 1 and job["metrics"]["loss"] == 3.0
+    (event,) = [e for e in client.get(f"/jobs/{last_job}/events").json()["data"] if e["type"] == "result"]
+    assert event["message"] == "Training finished."
+
+
 def test_a_run_resumed_from_its_checkpoint_replaces_what_an_earlier_run_reported_past_it(
     client: TestClient, dataset: Path
 ) -> None:

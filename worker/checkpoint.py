@@ -12,7 +12,9 @@ a restarted run resumes with batch k. The frozen base weights are not in it: the
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import orbax.checkpoint as ocp
@@ -23,22 +25,48 @@ def join(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *parts])
 
 
+@dataclasses.dataclass
+class _KeepSteps:
+    """An orbax preservation policy: keep the checkpoints of `steps`."""
+
+    steps: set[int]
+
+    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
+        return [info.step in self.steps for info in checkpoints]
+
+
 class Checkpoints:
-    """The run's checkpoints under `{output_uri}/checkpoints`, keeping the last `keep`."""
+    """The run's checkpoints under `{output_uri}/checkpoints`, keeping the last `keep` and the one `kept`
+    (export_best's: the lowest eval loss's).
+
+    Which go is decided as each save starts and done once it is written: a checkpoint's data position names
+    the step `kept` was when it was saved, and that step's checkpoint stays until a later one is written."""
 
     def __init__(self, output_uri: str, keep: int) -> None:
         self.directory = join(output_uri, "checkpoints")
+        self._kept = _KeepSteps(set())
+        policies = ocp.checkpoint_managers
         self.manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+            options=ocp.CheckpointManagerOptions(
+                create=True,
+                preservation_policy=policies.AnyPreservationPolicy([policies.LatestN(keep), self._kept]),
+            ),
             item_names=("state", "data"),
         )
+
+    def keep(self, step: int | None) -> None:
+        """Keep the checkpoint of `step` (None: none) past the last `keep`, from the next save on."""
+        self._kept.steps = set() if step is None else {step}
 
     def uri(self, step: int) -> str:
         return join(self.directory, str(step))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def steps(self) -> list[int]:
+        return list(self.manager.all_steps())
 
     def save(self, step: int, state: Any, data_position: dict[str, Any]) -> None:
         """Start saving; returns once the arrays are copied off the device (the write goes on behind)."""

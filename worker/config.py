@@ -127,6 +127,17 @@ class Hyperparameters(_Strict):
     early_stopping_threshold: Annotated[float, Field(ge=0)] = Field(
         default=0.0, description="How much lower than the best an eval loss must be to count as better."
     )
+    export_best: bool | None = Field(
+        default=None,
+        description="Export the weights of the eval with the lowest eval loss, not the last step's: a "
+        "checkpoint is saved at each new lowest and kept past `keep_checkpoints` until a lower one. Default: "
+        "on with `early_stopping_patience`, else off. Needs validation data and evals.",
+    )
+
+    @property
+    def exports_best(self) -> bool:
+        """Whether the run exports the weights of its lowest eval loss (`export_best`, as defaulted)."""
+        return self.early_stopping_patience is not None if self.export_best is None else self.export_best
 
     def intervals(self, total_steps: int) -> tuple[int | None, int | None]:
         """(steps between evals, steps between checkpoints) in a run of `total_steps`: given, or
@@ -357,17 +368,23 @@ class JobSpec(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _one_validation_source_and_evals_for_early_stopping(self) -> JobSpec:
+    def _one_validation_source_and_evals_where_needed(self) -> JobSpec:
         if self.validation_uri is not None and self.validation_split is not None:
             raise ValueError("give validation_uri or validation_split, not both")
         hyper = self.hyperparameters
-        if hyper.early_stopping_patience is not None and (
-            (self.validation_uri is None and self.validation_split is None)
-            or (hyper.eval_every_steps is None and hyper.n_evals is None)
-        ):
+        evals = (self.validation_uri is not None or self.validation_split is not None) and (
+            hyper.eval_every_steps is not None or hyper.n_evals is not None
+        )
+        if hyper.early_stopping_patience is not None and not evals:
             raise PydanticCustomError(
                 "early_stopping_needs_evals",
                 "early_stopping_patience counts evals of the eval loss: give validation_uri or "
+                "validation_split, and hyperparameters.eval_every_steps or n_evals",
+            )
+        if hyper.export_best and not evals:
+            raise PydanticCustomError(
+                "export_best_needs_evals",
+                "export_best picks the weights of the lowest eval loss: give validation_uri or "
                 "validation_split, and hyperparameters.eval_every_steps or n_evals",
             )
         return self

@@ -17,7 +17,8 @@ Kinds:
 - `eval`:       an eval loss (and token accuracy) at a step.
 - `checkpoint`: a checkpoint saved (`uri`), with the metrics at that step.
 - `sample`:     generated text for a prompt (`phase` before|after training).
-- `result`:     the final figures and the output URI; the worker then exits 0.
+- `result`:     the output URI and the figures of the weights it holds: the last step's, or with
+                export_best those of the lowest eval loss (`exported_step`); the worker then exits 0.
 - `error`:      why the run failed (`code`, `message`); the worker then exits non-zero.
 - `warning`:    something the user should know that does not stop the run.
 
@@ -122,7 +123,11 @@ class SampleReport(_Report):
 
 
 class ResultReport(_Report):
+    """The run succeeded: its export, and the figures of the weights exported (with export_best, those of
+    the lowest eval loss, at `exported_step`; else the last step's)."""
+
     kind: Literal["result"] = "result"
+    exported_step: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = None
     output_uri: Annotated[Reported, Field(max_length=2048)] | None = None
     loss: float | None = None
     eval_loss: float | None = None

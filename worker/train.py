@@ -63,6 +63,7 @@ from worker.protocol import (
     ResultReport,
     SampleReport,
     StatusReport,
+    WarningReport,
 )
 from worker.report import Reporter
 from worker.tokenizer import OFFICIAL_TOKENIZER_URI, Tokenizer, TokenizerError
@@ -454,6 +455,9 @@ class _Run:
         # Early stopping: the best eval so far, and how many evals since have not bettered it.
         self.best_eval: tuple[int, float] | None = None
         self.stale_evals = 0
+        # The eval of the lowest loss so far: export_best exports its weights (a checkpoint kept, or at step
+        # 0 the initial ones). (Early stopping's best moves only by more than its threshold; this by any.)
+        self.lowest_eval: Evaluated | None = None
         self.status_count = 0
         # Tells this attempt's status messages from an earlier one's: a restarted worker says "loading ..."
         # at step 0 again, which the API would otherwise drop as a retry of the first attempt's report.
@@ -535,6 +539,13 @@ class _Run:
 
         abstract_state = jax.eval_shape(new_state, abstract_trained)
         self.state_shardings = tree_shardings(self.mesh, abstract_state)
+        self.param_shardings = shardings
+        # The state as a checkpoint restores it: shapes, dtypes and where each array goes.
+        self.placed_state = jax.tree.map(
+            lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+            abstract_state,
+            self.state_shardings,
+        )
         latest = self.checkpoints.latest_step()
         if latest is None:
             trained, frozen = self._initial_params(shardings)
@@ -542,25 +553,28 @@ class _Run:
             return state, frozen, 0
         # A resumed full fine-tune takes all its weights from the checkpoint; LoRA still needs the base.
         frozen = self._initial_params(shardings)[1] if self.model.lora_rank is not None else {}
-        abstract = jax.tree.map(
-            lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-            abstract_state,
-            self.state_shardings,
-        )
-        state, position = self.checkpoints.restore(latest, abstract)
+        state, position = self.checkpoints.restore(latest, self.placed_state)
         self.trained_tokens, self.last_loss = int(position.get("trained_tokens", 0)), position.get("loss")
         self.last_accuracy = position.get("accuracy")  # (None from a checkpoint saved before it was kept)
         if position.get("best_eval_step") is not None:
             self.best_eval = (int(position["best_eval_step"]), float(position["best_eval_loss"]))
             self.stale_evals = int(position.get("stale_evals", 0))
+        if position.get("lowest_eval_step") is not None:
+            self.lowest_eval = Evaluated(
+                int(position["lowest_eval_step"]),
+                float(position["lowest_eval_loss"]),
+                float(position["lowest_eval_accuracy"]),
+            )
+            if self.hyper.exports_best:
+                self.checkpoints.keep(self.lowest_eval.step)
         self.status(
             f"resumed from the checkpoint at step {latest}", "loading", step=latest, resumed_from=latest
         )
         return state, frozen, latest
 
-    def _initial_params(self, shardings: tuple[Any, Any]) -> tuple[Params, Params]:
+    def _initial_params(self, shardings: tuple[Any, Any], why: str = "") -> tuple[Params, Params]:
         """(trained, frozen) before training: the base weights, or a fresh adapter on the frozen base."""
-        self.status(f"loading the base weights of {self.spec.model}", "loading")
+        self.status(f"{why}loading the base weights of {self.spec.model}", "loading")
         seed = self.hyper.seed
         if self.spec.model == TINY_MODEL and self.spec.base_checkpoint_uri is None:
             return self.model.init_params(seed, shardings)
@@ -628,10 +642,12 @@ class _Run:
                 continue
             # Read this step's metrics now, so its checkpoint report carries them.
             stop, pending = self._record(*pending), None
-            early = None
+            early, new_lowest = None, False
             if stop == STOP_NONE and eval_due:
-                early = self._no_better(self._evaluate(state, frozen, step))
-            if stop == STOP_NONE and checkpoint_due:
+                now = self._evaluate(state, frozen, step)
+                early, new_lowest = self._no_better(now), now is self.lowest_eval
+            # export_best: the weights of each new lowest eval loss are saved, to be exported at the end.
+            if stop == STOP_NONE and (checkpoint_due or (new_lowest and hyper.exports_best)):
                 self._save(state, step)
             if early is not None:  # (every process saw the same eval loss: they all stop here)
                 self.status(early, step=step)
@@ -658,11 +674,25 @@ class _Run:
             evaluated = self._evaluate(state, frozen, step)
         if self.checkpoints.latest_step() != step:
             self._save(state, step)
-        output = self._export(state, frozen, step)
+        exported, lowest = step, self.lowest_eval
+        if hyper.exports_best and lowest is not None and lowest.step != step:
+            if lowest.step == 0 or lowest.step in self.checkpoints.steps():
+                del state  # (its memory, before the lowest eval's weights are loaded)
+                state, evaluated, exported = self._lowest_state(), lowest, lowest.step
+            else:  # (not kept: removed by hand)
+                self.reporter.send(
+                    WarningReport(
+                        step=step,
+                        message=f"export_best: the checkpoint of step {lowest.step}, of the lowest eval "
+                        "loss, is gone; the weights exported are the last step's",
+                    )
+                )
+        output = self._export(state, frozen, exported, step)
         self._sample(state, frozen, "after", step)
         self.reporter.send(
             ResultReport(
                 step=step,
+                exported_step=exported,
                 output_uri=output,
                 loss=self.last_loss,
                 accuracy=self.last_accuracy,
@@ -726,6 +756,10 @@ class _Run:
         if not math.isfinite(evaluated.loss):
             raise LossNotFinite(step, evaluated.loss, "eval loss")
         self.last_eval = evaluated
+        if self.lowest_eval is None or evaluated.loss < self.lowest_eval.loss:
+            self.lowest_eval = evaluated
+            if self.hyper.exports_best:  # (its checkpoint, saved next: kept from that save on)
+                self.checkpoints.keep(step)
         self.reporter.send(
             EvalReport(
                 step=step,
@@ -749,14 +783,36 @@ class _Run:
         if self.stale_evals < patience:
             return None
         best_step, best = self.best_eval
+        exported = (
+            "those of the lowest eval loss"
+            if self.hyper.exports_best
+            else "this step's (the checkpoints list each eval's loss)"
+        )
         return (
             f"stopping early at step {evaluated.step} of {self.total_steps}: {self.stale_evals} evals in a "
             f"row have not bettered the eval loss of step {best_step} ({best:.4f}); the weights exported are "
-            "this step's (the checkpoints list each eval's loss)"
+            f"{exported}"
         )
+
+    def _lowest_state(self) -> Params:
+        """The state (its params) of the lowest eval loss, for export_best: from its checkpoint (kept), or
+        at step 0 the initial weights. Sets the train figures to that step's."""
+        lowest = self.lowest_eval
+        assert lowest is not None
+        self.checkpoints.manager.wait_until_finished()
+        if lowest.step == 0:  # (the base model's: a fresh adapter on it, or the base weights again)
+            self.last_loss = self.last_accuracy = None
+            if self.model.lora_rank is not None:
+                return {"params": self.model.init_lora(self.hyper.seed, self.param_shardings[0])}
+            why = "the lowest eval loss was before training: "
+            return {"params": self._initial_params(self.param_shardings, why)[0]}
+        state, position = self.checkpoints.restore(lowest.step, self.placed_state)
+        self.last_loss, self.last_accuracy = position.get("loss"), position.get("accuracy")
+        return state
 
     def _save(self, state: Params, step: int) -> None:
         best_step, best = self.best_eval if self.best_eval is not None else (None, None)
+        lowest = self.lowest_eval
         position = {
             **self.train_data.position(step),
             "trained_tokens": self.trained_tokens,
@@ -765,6 +821,9 @@ class _Run:
             "best_eval_step": best_step,
             "best_eval_loss": best,
             "stale_evals": self.stale_evals,
+            "lowest_eval_step": lowest.step if lowest else None,
+            "lowest_eval_loss": lowest.loss if lowest else None,
+            "lowest_eval_accuracy": lowest.accuracy if lowest else None,
         }
         self.checkpoints.save(step, state, position)
         evaluated = self.last_eval if self.last_eval is not None and self.last_eval.step == step else None
@@ -779,9 +838,19 @@ class _Run:
             )
         )
 
-    def _export(self, state: Params, frozen: Params, step: int) -> str:
-        """Write the final weights under `{output_uri}/final`; returns that URI."""
-        self.status("exporting the final weights", "exporting", step=step)
+    def _export(self, state: Params, frozen: Params, weights_step: int, step: int) -> str:
+        """Write the weights of step `weights_step` (the run ended at `step`) under `{output_uri}/final`;
+        returns that URI."""
+        if weights_step == step:
+            self.status("exporting the final weights", "exporting", step=step)
+        else:
+            assert self.lowest_eval is not None
+            self.status(
+                f"exporting the weights of step {weights_step}, of the lowest eval loss "
+                f"({self.lowest_eval.loss:.4f}); the run ended at step {step}",
+                "exporting",
+                step=step,
+            )
         final = join(self.config.output_uri, "final")
         method = self.spec.method
         exported: dict[str, str] = {}
@@ -804,7 +873,8 @@ class _Run:
                     "job_id": self.config.job_id,
                     "model": self.spec.model,
                     "method": method.model_dump(),
-                    "step": step,
+                    "step": weights_step,
+                    "last_step": step,
                     "tokenizer_uri": self.spec.tokenizer_uri,
                     "base_checkpoint_uri": self.spec.base_checkpoint_uri,
                     "dtype": str(jnp.dtype(self.model.compute_dtype)),

@@ -119,6 +119,15 @@ function showJob(next) {
   $("f-started").textContent = formatDate(job.started_at);
   $("f-finished").textContent = formatDate(job.finished_at);
   $("f-output").textContent = job.output_uri;
+  $("f-exported").textContent = formatExported(job);
+}
+
+// "step 12 (the last)", or with export_best "step 4 (the lowest eval loss)"; "—" before it succeeded.
+function formatExported(job) {
+  const exported = job.exported_step;
+  if (exported === null || exported === undefined) return "—";
+  const which = exported === job.progress.step ? "the last" : "the lowest eval loss";
+  return `step ${formatInteger(exported)} (${which})`;
 }
 
 // "2.003 · 1 process for 2h": its chip-hours, and what it held for how long; "—" before it took its chips.

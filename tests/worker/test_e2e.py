@@ -69,6 +69,7 @@ def test_real_worker_job_succeeds_with_history_and_checkpoints(  # type: ignore[
     job = api.wait_for(job_id, lambda j: j["status"] in FINAL, timeout=280)
     assert job["status"] == "succeeded", job
     assert job["progress"]["step"] == 12 and job["progress"]["total_steps"] == 12
+    assert job["exported_step"] == 12  # (the last step's weights: export_best is off)
     assert job["trained_tokens"] > 0 and job["metrics"]["eval_loss"] is not None
     data = job["data_stats"]  # (the 400 stories, 5% held out, and what they packed into)
     assert data["documents"] == 380 and data["validation_documents"] == 20 and data["total_steps"] == 12

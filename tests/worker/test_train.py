@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from gemma import gm
 
@@ -397,7 +400,7 @@ def test_early_stopping_ends_a_run_whose_eval_loss_stops_improving(
 ) -> None:
     """early_stopping_patience: so many evals in a row not better than the best (the baseline's here:
     a learning rate too small to move the loss by the threshold) end the run as a success, at that step,
-    with its weights exported."""
+    with its weights exported (export_best off: this step's)."""
     config = tiny_config(
         tmp_path,
         story_corpus,
@@ -408,6 +411,7 @@ def test_early_stopping_ends_a_run_whose_eval_loss_stops_improving(
         eval_every_steps=2,
         early_stopping_patience=2,
         early_stopping_threshold=0.01,
+        export_best=False,
     )
     recorder = Recorder()
     assert train.run(config, recorder, TEST_OPTIONS) == EXIT_OK
@@ -431,7 +435,7 @@ def test_early_stopping_counts_on_across_a_resume(
     """The best eval and the evals since are kept in the checkpoint: a run resumed from it stops at the
     same eval as one that was never stopped."""
     hyper = {"learning_rate": 1e-9, "eval_every_steps": 2, "early_stopping_patience": 2}
-    hyper["early_stopping_threshold"] = 0.01
+    hyper |= {"early_stopping_threshold": 0.01, "export_best": False}
     spec = {"validation_split": 0.05}
     first = Recorder()  # (evals at 0, the best, and 2, not better; its end saved at step 3)
     config = tiny_config(tmp_path, story_corpus, tiny_tokenizer_path, spec=spec, max_steps=3, **hyper)
@@ -445,6 +449,134 @@ def test_early_stopping_counts_on_across_a_resume(
     assert [e.step for e in resumed.of_kind("eval")] == [4]
     (result,) = resumed.of_kind("result")
     assert result.step == 4
+
+
+# A constant learning rate too high for a smooth descent: the eval loss of the tiny model on the story corpus
+# goes 6.92, 6.91, 6.41, 6.88, 6.56 at steps 0-4 (3e-2), and 6.92, 8.81, 7.88, 8.13, 7.54 (1e-1).
+BUMPY = {"lr_scheduler": "constant", "warmup_steps": 0, "eval_every_steps": 2}
+
+
+def saved_params(path: Path) -> Any:
+    """The params of an export (`final/params`) or of a checkpoint's state (`checkpoints/<step>/state`)."""
+    tree = ocp.StandardCheckpointer().restore(path)
+    return tree["params"] if "opt_state" in tree else tree
+
+
+def same_arrays(a: Any, b: Any) -> bool:
+    return jax.tree.all(jax.tree.map(lambda x, y: bool(np.array_equal(np.asarray(x), np.asarray(y))), a, b))
+
+
+def test_export_best_exports_the_weights_of_the_lowest_eval_loss(
+    tmp_path: Path, story_corpus: Path, tiny_tokenizer_path: Path
+) -> None:
+    """export_best: the eval at step 2 is the lowest, the one at 4 (the end) is not: the export holds step
+    2's weights, from its checkpoint, saved at that eval and kept past keep_checkpoints (1); the result
+    carries step 2's figures."""
+    config = tiny_config(
+        tmp_path,
+        story_corpus,
+        tiny_tokenizer_path,
+        spec={"validation_split": 0.05},
+        **BUMPY,
+        learning_rate=3e-2,
+        max_steps=4,
+        checkpoint_every_steps=3,
+        keep_checkpoints=1,
+        export_best=True,
+    )
+    recorder = Recorder()
+    assert train.run(config, recorder, TEST_OPTIONS) == EXIT_OK
+    evals = {e.step: e for e in recorder.of_kind("eval")}
+    assert list(evals) == [0, 2, 4]
+    assert evals[2].eval_loss < min(evals[0].eval_loss, evals[4].eval_loss), evals  # (the premise)
+    # Saved at 2 (a new lowest, not a checkpoint step), 3 (one) and 4 (the end); 3 went, 2 stayed.
+    assert [c.step for c in recorder.of_kind("checkpoint")] == [2, 3, 4]
+    assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == ["2", "4"]
+
+    (result,) = recorder.of_kind("result")
+    assert (result.step, result.exported_step) == (4, 2)
+    assert (result.eval_loss, result.eval_accuracy) == (evals[2].eval_loss, evals[2].eval_accuracy)
+    assert result.loss == losses(recorder.reports)[2]
+    assert result.accuracy == next(m.accuracy for m in recorder.of_kind("metrics") if m.step == 2)
+    exported = saved_params(tmp_path / "final" / "params")
+    assert same_arrays(exported, saved_params(tmp_path / "checkpoints" / "2" / "state"))
+    assert not same_arrays(exported, saved_params(tmp_path / "checkpoints" / "4" / "state"))
+    export = json.loads((tmp_path / "final" / "export.json").read_text())
+    assert (export["step"], export["last_step"]) == (2, 4)
+    assert (
+        "exporting the weights of step 2, of the lowest eval loss "
+        f"({evals[2].eval_loss:.4f}); the run ended at step 4"
+    ) in [s.message for s in recorder.of_kind("status")]
+
+
+@pytest.mark.parametrize("removed", [False, True], ids=["kept", "removed-by-hand"])
+def test_export_best_keeps_the_lowest_eval_across_a_resume(
+    tmp_path: Path, story_corpus: Path, tiny_tokenizer_path: Path, removed: bool
+) -> None:
+    """The lowest eval is kept in the checkpoint: a run resumed past it (from step 3) still exports step 2's
+    weights, from the checkpoint the first run kept. Where that checkpoint was removed by hand, the run
+    says so and exports its last weights (it does not fail at its end)."""
+    hyper = {**BUMPY, "learning_rate": 3e-2, "keep_checkpoints": 1, "export_best": True}
+    spec = {"validation_split": 0.05}
+    first = Recorder()  # (evals at 0, 2 and 3, its end: 2 the lowest)
+    config = tiny_config(tmp_path, story_corpus, tiny_tokenizer_path, spec=spec, max_steps=3, **hyper)
+    assert train.run(config, first, TEST_OPTIONS) == EXIT_OK
+    assert first.of_kind("result")[0].exported_step == 2
+    if removed:
+        shutil.rmtree(tmp_path / "checkpoints" / "2")
+    longer = tiny_config(tmp_path, story_corpus, tiny_tokenizer_path, spec=spec, max_steps=4, **hyper)
+    resumed = Recorder()
+    assert train.run(longer, resumed, TEST_OPTIONS) == EXIT_OK
+    assert "resumed from the checkpoint at step 3" in [s.message for s in resumed.of_kind("status")]
+    assert [e.step for e in resumed.of_kind("eval")] == [4]
+    (result,) = resumed.of_kind("result")
+    if removed:
+        assert (result.step, result.exported_step) == (4, 4)
+        assert result.eval_loss == resumed.of_kind("eval")[0].eval_loss
+        (warning,) = resumed.of_kind("warning")
+        assert warning.message == (
+            "export_best: the checkpoint of step 2, of the lowest eval loss, is gone; the weights exported "
+            "are the last step's"
+        )
+        return
+    assert (result.step, result.exported_step) == (4, 2)
+    assert result.eval_loss == next(e.eval_loss for e in first.of_kind("eval") if e.step == 2)
+    assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == ["2", "4"]
+    assert same_arrays(
+        saved_params(tmp_path / "final" / "params"), saved_params(tmp_path / "checkpoints" / "2" / "state")
+    )
+    assert not resumed.of_kind("warning")
+
+
+def test_early_stopping_exports_the_base_weights_when_training_made_them_worse(
+    tmp_path: Path, story_corpus: Path, tiny_tokenizer_path: Path, tiny: tuple[gemma.Model, dict]
+) -> None:
+    """With early stopping export_best is on by default; no eval bettered the baseline (a learning rate of
+    0.1): the export holds the initial weights, the result the baseline's eval and no train loss."""
+    config = tiny_config(
+        tmp_path,
+        story_corpus,
+        tiny_tokenizer_path,
+        spec={"validation_split": 0.05},
+        **BUMPY,
+        learning_rate=0.1,
+        max_steps=40,
+        early_stopping_patience=2,
+    )
+    assert config.spec.hyperparameters.exports_best
+    recorder = Recorder()
+    assert train.run(config, recorder, TEST_OPTIONS) == EXIT_OK
+    evals = recorder.of_kind("eval")
+    assert [e.step for e in evals] == [0, 2, 4]
+    assert evals[0].eval_loss < min(e.eval_loss for e in evals[1:]), evals  # (the premise)
+    (result,) = recorder.of_kind("result")
+    assert (result.step, result.exported_step, result.loss) == (4, 0, None)
+    assert result.eval_loss == evals[0].eval_loss
+    assert same_arrays(saved_params(tmp_path / "final" / "params"), tiny[1])
+    assert recorder.of_kind("checkpoint")[-1].step == 4  # (no checkpoint at 0: the base is loaded again)
+    messages = [s.message for s in recorder.of_kind("status")]
+    assert any(m.endswith("; the weights exported are those of the lowest eval loss") for m in messages)
+    assert "the lowest eval loss was before training: loading the base weights of tiny" in messages
 
 
 def test_a_pause_from_the_api_stops_with_a_checkpoint_the_next_run_goes_on_from(
