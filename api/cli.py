@@ -185,6 +185,7 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
         else:
             spec = json.loads(text)
     given = {"name": args.name, "model": args.model, "dataset_uri": args.dataset, "from_job": args.from_job}
+    given["from_step"] = args.from_step
     for key, value in given.items():
         if value is not None:
             spec[key] = value
@@ -724,7 +725,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--name")
     p.add_argument("--model")
     p.add_argument("--dataset", help="dataset URI (gs://… or an absolute path)")
-    p.add_argument("--from-job", help="start from the weights of an earlier job of your team that succeeded")
+    p.add_argument(
+        "--from-job",
+        help="start from the weights of an earlier job of your team (its final export, once it succeeded)",
+    )
+    p.add_argument(
+        "--from-step", type=int, help="with --from-job: start from that job's checkpoint at this step instead"
+    )
     p.add_argument("--method", choices=["full", "lora"])
     p.add_argument("--lora-rank", type=int)
     p.add_argument("--epochs", type=int)

@@ -12,6 +12,7 @@ import base64
 import hashlib
 import hmac
 import json
+import os
 import secrets
 from collections import namedtuple
 from collections.abc import Callable, Sequence
@@ -484,47 +485,105 @@ def _taken_keys(connection: Connection, keyed: Sequence[NewJob]) -> dict[tuple[s
     return {(row.tenant, row.key): (row.request_hash, row.job_id) for row in connection.execute(statement)}
 
 
-def resolve_from_job[SpecT: JobSpec](spec: SpecT, source: Any | None) -> SpecT:
-    """`spec` starting from the final weights of the job its `from_job` names (`source`: that job's row,
-    read within the caller's tenant, or None): its export as `base_checkpoint_uri`, its tokenizer unless
-    the spec names one. ApiError 422 (param `from_job`) when it cannot start from it."""
-    job_id = spec.from_job
+@dataclass(frozen=True)
+class Source:
+    """The job a new job's `from_job` names, as read for it (`read_source`)."""
 
-    def refuse(code: str, why: str) -> ApiError:
-        return ApiError(422, code, f"from_job: {why}", param="from_job")
+    row: Any | None  # its row (JOB_COLUMNS), within the caller's tenant; None: no such job
+    checkpoint_uri: str | None = None  # with `from_step`: the checkpoint it reported at that step
+    checkpoint_gone: bool = False  # that checkpoint, a local directory, is no longer there
 
-    if source is None:
+
+def read_source(engine: Engine, tenant: str, job_id: str, step: int | None) -> Source:
+    """The job `job_id` of `tenant` and, for a `step`, its checkpoint there (on a thread: reads the
+    database, and for a local checkpoint the file system)."""
+    row = read_job_row(engine, tenant, job_id)
+    if row is None or step is None:
+        return Source(row)
+    statement = (
+        sa_select(JobEvent.data)  # type: ignore[call-overload]
+        .join(Job, col(Job.seq) == col(JobEvent.job_seq))
+        .where(Job.id == job_id, Job.tenant == tenant, JobEvent.type == "checkpoint", JobEvent.step == step)
+        .limit(1)
+    )
+    with autocommit_connection(engine) as connection:
+        data = connection.execute(statement).scalar()
+    if isinstance(data, str):  # (SQLite's JSON as text, where the column's type is not applied)
+        data = json.loads(data)
+    uri = (data or {}).get("uri")
+    gone = uri is not None and not uri.startswith("gs://") and not os.path.isdir(uri)
+    return Source(row, uri, gone)
+
+
+def resolve_from_job[SpecT: JobSpec](spec: SpecT, source: Source) -> SpecT:
+    """`spec` starting from the weights of the job its `from_job` names (`source`, read within the caller's
+    tenant): its final export, or with `from_step` its checkpoint there, as `base_checkpoint_uri`; a LoRA
+    job's adapter (unless it exported it merged) as `adapter_uri` on the base it trained on. Its tokenizer
+    too, unless the spec names one. ApiError 422 (param `from_job`) when it cannot start from them."""
+    job_id, step, job = spec.from_job, spec.from_step, source.row
+
+    def refuse(code: str, why: str, param: str = "from_job") -> ApiError:
+        return ApiError(422, code, f"{param}: {why}", param=param)
+
+    if job is None:
         raise refuse("from_job_not_found", f"there is no job {job_id} of your team.")
-    if source.status != JobStatus.succeeded:
-        resume = (
-            f" To go on from its last checkpoint, resume it (POST /jobs/{job_id}/resume)."
-            if source.status == JobStatus.failed
-            else ""
-        )
-        raise refuse(
-            "from_job_not_succeeded",
-            f"job {job_id} is {source.status}; a job can start only from one that succeeded (its final "
-            f"weights).{resume}",
-        )
-    if source.model != spec.model:
+    if job.model != spec.model:
         raise refuse(
             "from_job_model_mismatch",
-            f"job {job_id} fine-tuned {source.model}, not {spec.model}; use the same model.",
+            f"job {job_id} fine-tuned {job.model}, not {spec.model}; use the same model.",
         )
-    made = job_spec(source)
-    if made.method.type == "lora" and not made.method.export_merged:
-        raise refuse(
-            "from_job_not_merged",
-            f"job {job_id} exported a LoRA adapter only; a job starts from full weights (run it with "
-            "method.export_merged: true, or start from the same base and train a new adapter).",
+    made = job_spec(job)
+    lora = made.method.type == "lora"
+    output = job.output_uri.rstrip("/")
+    if step is None:
+        if job.status != JobStatus.succeeded:
+            why = f"job {job_id} is {job.status}; only a job that succeeded has final weights."
+            if job.status == JobStatus.failed:
+                why += f" To go on from its last checkpoint, resume it (POST /jobs/{job_id}/resume)."
+            if job.checkpoint_uri:
+                why += (
+                    f" To start from one of its checkpoints, give from_step (GET /jobs/{job_id}/checkpoints)."
+                )
+            raise refuse("from_job_not_succeeded", why)
+        weights = (
+            f"{output}/final/adapter" if lora and not made.method.export_merged else f"{output}/final/params"
         )
-    export = f"{source.output_uri.rstrip('/')}/final/params"
-    if spec.base_checkpoint_uri not in (None, export):  # (a job's spec as shown, posted again: the same)
+    else:
+        if source.checkpoint_uri is None:
+            raise refuse(
+                "from_job_checkpoint_not_found",
+                f"job {job_id} saved no checkpoint at step {step}; its checkpoints: GET "
+                f"/jobs/{job_id}/checkpoints.",
+                "from_step",
+            )
+        if source.checkpoint_gone:
+            raise refuse(
+                "from_job_checkpoint_not_found",
+                f"job {job_id}'s checkpoint at step {step} is no longer kept (a job keeps its last "
+                "keep_checkpoints, and with export_best its lowest eval loss's); pick a later one: GET "
+                f"/jobs/{job_id}/checkpoints.",
+                "from_step",
+            )
+        weights = source.checkpoint_uri
+    base: str | None = weights
+    adapter: str | None = None
+    if lora and (step is not None or not made.method.export_merged):  # (the adapter, on its base)
+        if made.adapter_uri is not None:
+            raise refuse(
+                "from_job_not_merged",
+                f"job {job_id} trained an adapter on weights that were themselves a base and an adapter; a "
+                "job starts from one adapter on its base: run that job with method.export_merged: true and "
+                "start from its final weights.",
+            )
+        base, adapter = made.base_checkpoint_uri, weights
+    if spec.base_checkpoint_uri not in (None, base) or spec.adapter_uri not in (None, adapter):
+        # (a job's spec as shown, posted again: the same)
         raise refuse(
             "conflicting_fields",
-            "a job starts from another job's weights or from base_checkpoint_uri, not both; leave one out.",
+            "a job starts from another job's weights or from base_checkpoint_uri and adapter_uri, not both; "
+            "leave one out.",
         )
-    update: dict[str, Any] = {"base_checkpoint_uri": export}
+    update: dict[str, Any] = {"base_checkpoint_uri": base, "adapter_uri": adapter}
     if spec.tokenizer_uri is None:
         update["tokenizer_uri"] = made.tokenizer_uri
     return spec.model_copy(update=update)

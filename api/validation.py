@@ -65,7 +65,16 @@ _O_PATH_DIRECTORY = (
 
 
 # The places a job reads and writes, by the spec's field.
-URI_FIELDS = ("dataset_uri", "validation_uri", "output_uri", "base_checkpoint_uri", "tokenizer_uri")
+URI_FIELDS = (
+    "dataset_uri",
+    "validation_uri",
+    "output_uri",
+    "base_checkpoint_uri",
+    "adapter_uri",
+    "tokenizer_uri",
+)
+# The fields `from_job` sets (api.jobs.resolve_from_job): another job's weights, of its own team's.
+FROM_JOB_FIELDS = ("base_checkpoint_uri", "adapter_uri")
 
 
 def output_roots(settings: Settings, tenant: str) -> list[str]:
@@ -92,7 +101,7 @@ def check_local_paths(spec: JobSpec, settings: Settings, tenant: str) -> dict[st
             continue
         # The jobs' own directories hold every team's runs and weights: a job reads another's only as
         # `from_job`, whose team the server checked (api.jobs.resolve_from_job), and writes only its own.
-        own_export = field == "base_checkpoint_uri" and spec.from_job is not None
+        own_export = field in FROM_JOB_FIELDS and spec.from_job is not None
         if uri.startswith("gs://"):
             inside = next((root for root in outputs if _under(uri, root)), None)
             if inside is not None and not own_export:
@@ -203,7 +212,8 @@ def job_uris(spec: dict[str, Any]) -> dict[str, str]:
     (a job of its own team's, which the server checked: api.jobs.resolve_from_job)."""
     uris = {field: spec.get(field) for field in URI_FIELDS}
     if spec.get("from_job") is not None:
-        uris.pop("base_checkpoint_uri")
+        for field in FROM_JOB_FIELDS:
+            uris.pop(field)
     return {field: uri for field, uri in uris.items() if uri is not None}
 
 

@@ -625,8 +625,8 @@ def test_a_job_starts_from_the_weights_of_one_that_succeeded(client: TestClient,
     assert early.json()["error"]["param"] == "from_job" and "is queued" in early.json()["error"]["message"]
     _finish(client, first["id"], "failed")  # (a failed one: its owner is told how it goes on)
     assert submit().json()["error"]["message"] == (
-        f"from_job: job {first['id']} is failed; a job can start only from one that succeeded (its final "
-        f"weights). To go on from its last checkpoint, resume it (POST /jobs/{first['id']}/resume)."
+        f"from_job: job {first['id']} is failed; only a job that succeeded has final weights. To go on from "
+        f"its last checkpoint, resume it (POST /jobs/{first['id']}/resume)."
     )
     _finish(client, first["id"])
     made = submit()
@@ -654,19 +654,80 @@ def test_a_job_starts_from_the_weights_of_one_that_succeeded(client: TestClient,
         assert named.json()["error"]["code"] == "path_not_allowed" and named.json()["error"]["param"] == field
         assert "inside the server's job directories" in named.json()["error"]["message"]
 
+    # A LoRA job's adapter, not exported merged: on the base it trained on (the official one here).
     lora = client.post(
         "/jobs", json=job_body(dataset, method={"type": "lora"}, tokenizer_uri=str(tokenizer))
     ).json()
     _finish(client, lora["id"])
+    on_lora = client.post("/jobs", json=job_body(dataset, from_job=lora["id"]))
+    assert on_lora.status_code == 201, on_lora.text
+    spec = on_lora.json()["spec"]
+    assert (spec["base_checkpoint_uri"], spec["adapter_uri"]) == (None, f"{lora['output_uri']}/final/adapter")
+    # One of its own started so: its adapter was trained on a base and an adapter, one too many.
+    twice = client.post("/jobs", json=job_body(dataset, method={"type": "lora"}, from_job=lora["id"])).json()
+    _finish(client, twice["id"])
     for overrides, code in [
         ({"from_job": "ft-nowhere"}, "from_job_not_found"),
-        ({"from_job": lora["id"]}, "from_job_not_merged"),
+        ({"from_job": twice["id"]}, "from_job_not_merged"),
         ({"model": "gemma3-1b-pt"}, "from_job_model_mismatch"),
         ({"base_checkpoint_uri": str(dataset.parent / "ckpt")}, "conflicting_fields"),
+        ({"adapter_uri": str(dataset.parent / "adapter")}, "conflicting_fields"),
     ]:
         refused = client.post("/jobs", json=job_body(dataset, **{"from_job": first["id"], **overrides}))
         assert refused.status_code == 422, (overrides, refused.text)
         assert refused.json()["error"]["code"] == code and refused.json()["error"]["param"] == "from_job"
+
+
+def test_a_job_starts_from_a_checkpoint_of_another(client: TestClient, dataset: Path) -> None:
+    """from_step: the checkpoint the job reported at that step (of a job still running, too), while it is
+    kept; a LoRA job's as an adapter on its base. Its sentence where there is none, or none any more."""
+    from tests.test_progress import new_run, post
+
+    tokenizer = str(dataset.parent / "tokenizer.model")
+    full = client.post("/jobs", json=job_body(dataset, tokenizer_uri=tokenizer)).json()
+    lora = client.post(
+        "/jobs", json=job_body(dataset, tokenizer_uri=tokenizer, method={"type": "lora"})
+    ).json()
+    for job in (full, lora):
+        kept = f"{job['output_uri']}/checkpoints/20"
+        Path(kept).mkdir(parents=True)
+        checkpoints = [
+            {"kind": "checkpoint", "step": n, "uri": f"{job['output_uri']}/checkpoints/{n}"} for n in (10, 20)
+        ]
+        assert post(client, job["id"], new_run(client, job["id"]), checkpoints).status_code == 200
+
+    def submit(source: dict, step: int | None, **overrides: object) -> Any:
+        return client.post(
+            "/jobs", json=job_body(dataset, from_job=source["id"], from_step=step, **overrides)
+        )
+
+    made = submit(full, 20)  # (it runs still)
+    assert made.status_code == 201, made.text
+    spec = made.json()["spec"]
+    assert (spec["from_step"], spec["base_checkpoint_uri"]) == (20, f"{full['output_uri']}/checkpoints/20")
+    assert spec["adapter_uri"] is None and spec["tokenizer_uri"] == tokenizer
+    assert submit(full, 20, base_checkpoint_uri=spec["base_checkpoint_uri"]).status_code == 201  # (as shown)
+    on_lora = submit(lora, 20).json()["spec"]
+    assert (on_lora["base_checkpoint_uri"], on_lora["adapter_uri"]) == (
+        None,
+        f"{lora['output_uri']}/checkpoints/20",
+    )
+    # A running job has no final weights: said so, with the way to its checkpoints.
+    assert submit(full, None).json()["error"]["message"] == (
+        f"from_job: job {full['id']} is running; only a job that succeeded has final weights. To start from "
+        f"one of its checkpoints, give from_step (GET /jobs/{full['id']}/checkpoints)."
+    )
+    for step, says in (
+        (15, f"from_step: job {full['id']} saved no checkpoint at step 15; its checkpoints: GET "),
+        (10, f"from_step: job {full['id']}'s checkpoint at step 10 is no longer kept (a job keeps its last "),
+    ):
+        refused = submit(full, step)
+        assert refused.status_code == 422, refused.text
+        error = refused.json()["error"]
+        assert (error["code"], error["param"]) == ("from_job_checkpoint_not_found", "from_step")
+        assert error["message"].startswith(says), error
+    alone = client.post("/jobs", json=job_body(dataset, from_step=20))
+    assert alone.status_code == 422 and alone.json()["error"]["code"] == "from_step_needs_from_job"
 
 
 def test_health(client: TestClient) -> None:

@@ -84,6 +84,9 @@ def test_submit_follow_status_events_checkpoints(live_api, dataset: Path, capsys
     assert more["spec"]["base_checkpoint_uri"] == f"{job['output_uri']}/final/params"
     code, _, err = run(api, capsys, "submit", str(spec), "--from-job", "ft-nowhere")
     assert code == 3 and "there is no job ft-nowhere of your team. (from_job_not_found)" in err
+    code, _, err = run(api, capsys, "submit", str(spec), "--from-job", job_id, "--from-step", "3")
+    assert code == 3 and f"job {job_id} saved no checkpoint at step 3" in err
+    assert "(from_job_checkpoint_not_found)" in err
 
 
 def test_watch_exit_codes_and_cancel(live_api, dataset: Path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -295,16 +295,30 @@ class JobSpec(_Strict):
     model: str = Field(description="`gemma3-{270m,1b,4b,12b,27b}-{pt,it}` (or `tiny` where enabled).")
     base_checkpoint_uri: Uri | None = Field(
         default=None,
-        description="Orbax checkpoint dir or `.gguf` file with the base weights; default: official.",
+        description="The base weights: an orbax checkpoint dir of params, a tputune checkpoint of a full "
+        "fine-tune (`…/checkpoints/<step>`) or a `.gguf` file; default: the official ones.",
+    )
+    adapter_uri: Uri | None = Field(
+        default=None,
+        description="A LoRA adapter folded into the base weights before training: a LoRA job's export "
+        "(`…/final/adapter`) or checkpoint (`…/checkpoints/<step>`), of the same base weights. `from_job` "
+        "sets it for a LoRA job's weights.",
     )
     tokenizer_uri: Uri | None = Field(
         default=None, description="SentencePiece model; default the official Gemma 3 tokenizer."
     )
     from_job: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9-]+$")] | None = Field(
         default=None,
-        description="Start from the weights of an earlier job of your team that succeeded (its id): its "
-        "final export becomes `base_checkpoint_uri`, and its tokenizer the default. Same model; a LoRA "
-        "job's export needs `method.export_merged`.",
+        description="Start from the weights of an earlier job of your team (its id), the same model: its "
+        "final export (a job that succeeded), or with `from_step` its checkpoint at that step. They become "
+        "`base_checkpoint_uri` (a LoRA job's: its base, and its adapter `adapter_uri`); its tokenizer is "
+        "the default.",
+    )
+    from_step: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = Field(
+        default=None,
+        description="With `from_job`: start from that job's checkpoint at this step (one it saved and still "
+        "keeps: GET /jobs/{id}/checkpoints), from a job that succeeded, failed, was cancelled or still "
+        "runs.",
     )
     method: Method = Field(default_factory=Method)
     dataset_uri: Uri = Field(
@@ -348,7 +362,7 @@ class JobSpec(_Strict):
     def _dataset(cls, value: str | None) -> str | None:
         return None if value is None else check_dataset_uri(value)
 
-    @field_validator("output_uri", "base_checkpoint_uri", "tokenizer_uri")
+    @field_validator("output_uri", "base_checkpoint_uri", "adapter_uri", "tokenizer_uri")
     @classmethod
     def _uri(cls, value: str | None) -> str | None:
         return None if value is None else check_uri(value)
@@ -371,6 +385,10 @@ class JobSpec(_Strict):
     def _one_validation_source_and_evals_where_needed(self) -> JobSpec:
         if self.validation_uri is not None and self.validation_split is not None:
             raise ValueError("give validation_uri or validation_split, not both")
+        if self.from_step is not None and self.from_job is None:
+            raise PydanticCustomError(
+                "from_step_needs_from_job", "from_step is a step of the job from_job names: give from_job too"
+            )
         hyper = self.hyperparameters
         evals = (self.validation_uri is not None or self.validation_split is not None) and (
             hyper.eval_every_steps is not None or hyper.n_evals is not None

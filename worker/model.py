@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 from etils import epath
 from flax import linen as nn
 from gemma import gm, peft
@@ -157,7 +158,78 @@ def build_model(
 
 
 def load_base_params(spec: JobSpec, model: Model, sharding: Any, cache_dir: Path | None = None) -> Params:
-    """The base weights (official checkpoint, the user's orbax checkpoint or a GGUF file), sharded."""
+    """The base weights (official checkpoint, the user's orbax checkpoint, a full fine-tune's checkpoint or a
+    GGUF file), sharded; with `adapter_uri`, that LoRA adapter folded into them."""
+    params = _base_params(spec, model, sharding, cache_dir)
+    if spec.adapter_uri is not None:
+        params = fold_adapter(params, spec.adapter_uri, sharding, model)
+    return params
+
+
+def is_run_checkpoint(uri: str) -> bool:
+    """Whether `uri` is a checkpoint of a tputune run (`…/checkpoints/<step>`: its train state and data
+    position), not a checkpoint of params alone."""
+    return (epath.Path(uri) / "state").is_dir()
+
+
+def _is_adapter(tree: Params) -> bool:
+    return any(
+        key.startswith("_LoRAEinsum_") or (isinstance(child, dict) and _is_adapter(child))
+        for key, child in tree.items()
+    )
+
+
+def _run_params(uri: str, item: Params, restore_args: Params) -> Params:
+    """The params of a run checkpoint's train state (not its optimizer state): `item` their tree (shapes),
+    `restore_args` how each is restored (orbax RestoreArgs)."""
+    args = ocp.args.PyTreeRestore(
+        item={"params": item}, restore_args={"params": restore_args}, partial_restore=True
+    )
+    return ocp.PyTreeCheckpointer().restore(epath.Path(uri) / "state", args=args)["params"]
+
+
+def _placed(target: Params) -> Params:
+    """RestoreArgs that restore each array straight into its place (`target`: ShapeDtypeStructs with
+    shardings), cast to its dtype."""
+    return jax.tree.map(
+        lambda leaf: ocp.ArrayRestoreArgs(sharding=leaf.sharding, global_shape=leaf.shape, dtype=leaf.dtype),
+        target,
+    )
+
+
+def fold_adapter(params: Params, uri: str, sharding: Any, model: Model) -> Params:
+    """`params` with the LoRA adapter at `uri` (an export's `final/adapter`, or a LoRA run's checkpoint)
+    folded in (W + A·B), in the same shardings."""
+    if not epath.Path(uri).exists():
+        raise ModelError("adapter_not_found", f"there is no LoRA adapter at {uri}")
+    run = is_run_checkpoint(uri)
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(epath.Path(uri) / "state" if run else uri).item_metadata.tree
+    tree = tree.get("params", {}) if run else tree
+    if not isinstance(tree, dict) or not _is_adapter(tree):
+        raise ModelError(
+            "bad_adapter",
+            f"{uri} holds no LoRA adapter (a LoRA job's final/adapter or checkpoints/<step> does); full "
+            "weights are a base_checkpoint_uri",
+        )
+    on_host = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    if run:
+        adapter = _run_params(uri, tree, on_host)
+    else:
+        adapter = checkpointer.restore(uri, args=ocp.args.PyTreeRestore(item=tree, restore_args=on_host))
+    mesh = jax.tree.leaves(sharding)[0].mesh
+    replicated = jax.tree.map(
+        lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), adapter
+    )
+    try:
+        return jax.jit(merge_lora, out_shardings=sharding, donate_argnums=0)(
+            params, put_global(adapter, replicated)
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise ModelError("bad_adapter", f"{uri} is not a LoRA adapter of {model.name}: {error}") from error
+
+
+def _base_params(spec: JobSpec, model: Model, sharding: Any, cache_dir: Path | None) -> Params:
     uri = spec.base_checkpoint_uri
     dtype = model.base.dtype
     if uri is not None and uri.endswith(".gguf"):
@@ -180,6 +252,8 @@ def load_base_params(spec: JobSpec, model: Model, sharding: Any, cache_dir: Path
     if not epath.Path(uri).exists():
         raise ModelError("base_checkpoint_not_found", f"there is no checkpoint at {uri}")
     try:
+        if is_run_checkpoint(uri):
+            return _full_run_params(uri, _target(model, sharding))
         return _load_orbax(uri, sharding, model)
     except ValueError as error:
         raise ModelError(
@@ -187,14 +261,34 @@ def load_base_params(spec: JobSpec, model: Model, sharding: Any, cache_dir: Path
         ) from error
 
 
-def _load_orbax(path: str, sharding: Any, model: Model) -> Params:
-    """Restore straight into the target shardings, cast to the model's dtype (checkpoints hold bf16)."""
-    target = jax.tree.map(
+def _full_run_params(uri: str, target: Params) -> Params:
+    """The params of a full fine-tune's run checkpoint, restored into `target`'s places and dtypes.
+    (orbax's partial restore gives back the target's own leaves for what the checkpoint lacks: the tree is
+    compared first.)"""
+    held = ocp.PyTreeCheckpointer().metadata(epath.Path(uri) / "state").item_metadata.tree.get("params", {})
+    if _is_adapter(held):
+        raise ValueError(
+            "it is a LoRA job's checkpoint, which holds its adapter only: give it as adapter_uri, with the "
+            "base weights that job trained on as base_checkpoint_uri"
+        )
+    shapes = jax.tree.map(lambda leaf: tuple(leaf.shape), held)
+    if shapes != jax.tree.map(lambda leaf: tuple(leaf.shape), target):
+        raise ValueError("its params are not of this model (another size, or another tokenizer's vocabulary)")
+    return _run_params(uri, target, _placed(target))
+
+
+def _target(model: Model, sharding: Any) -> Params:
+    """The base params' shapes and dtypes, placed with `sharding`."""
+    return jax.tree.map(
         lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
         jax.eval_shape(lambda: model.base.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]),
         sharding,
     )
-    return gm.ckpts.load_params(path, params=target, donate=False, text_only=True)
+
+
+def _load_orbax(path: str, sharding: Any, model: Model) -> Params:
+    """Restore straight into the target shardings, cast to the model's dtype (checkpoints hold bf16)."""
+    return gm.ckpts.load_params(path, params=_target(model, sharding), donate=False, text_only=True)
 
 
 def put_global(tree: Params, shardings: Any) -> Params:

@@ -577,6 +577,12 @@ class _Run:
         self.status(f"{why}loading the base weights of {self.spec.model}", "loading")
         seed = self.hyper.seed
         if self.spec.model == TINY_MODEL and self.spec.base_checkpoint_uri is None:
+            if self.spec.adapter_uri is not None:
+                raise gemma.ModelError(
+                    "bad_adapter",
+                    "the tiny model's base weights are random without base_checkpoint_uri: give the base "
+                    "the adapter was trained on",
+                )
             return self.model.init_params(seed, shardings)
         trained_shardings, frozen_shardings = shardings
         cache_dir = self.options.cache_dir

@@ -167,7 +167,9 @@ async def create_job(request: Request) -> Response:
         raise RequestValidationError([_KEY_TOO_LONG | {"input": idempotency_key}])
     if spec.from_job is not None:  # (its weights, from a job of the same tenant's: one read, on a thread)
         engine = request.app.state.engine
-        source = await anyio.to_thread.run_sync(service.read_job_row, engine, tenant, spec.from_job)
+        source = await anyio.to_thread.run_sync(
+            service.read_source, engine, tenant, spec.from_job, spec.from_step
+        )
         spec = service.resolve_from_job(spec, source)
     # On the event loop: the checks are CPU work (and a kernel lookup of local paths); the write waits for
     # the job writer (api.writer), which stores the jobs of concurrent requests in one transaction (on the

@@ -109,6 +109,22 @@ def test_real_worker_job_succeeds_with_history_and_checkpoints(  # type: ignore[
         went_on = http.get(f"/jobs/{more['id']}/metrics").json()["data"]
     first_loss = next(p["loss"] for p in went_on if p["loss"] is not None)
     assert first_loss < trained[0]["loss"] - 0.5 * (trained[0]["loss"] - trained[-1]["loss"])
+    # And one from its checkpoint at step 6 (its params, not its optimizer state): from half way down.
+    body["from_step"] = 6
+    with api.client() as http:
+        created = http.post("/jobs", json=body)
+    assert created.status_code == 201, created.text
+    assert created.json()["spec"]["base_checkpoint_uri"] == checkpoints[0]["uri"]
+    halfway = api.wait_for(created.json()["id"], lambda j: j["status"] in FINAL, timeout=280)
+    assert halfway["status"] == "succeeded", halfway
+    with api.client() as http:
+        went_on = http.get(f"/jobs/{halfway['id']}/metrics").json()["data"]
+    from_six = next(p["loss"] for p in went_on if p["loss"] is not None)
+    assert (
+        trained[5]["loss"] - 0.5
+        < from_six
+        < trained[0]["loss"] - 0.25 * (trained[0]["loss"] - trained[5]["loss"])
+    )
 
 
 def test_training_survives_the_api_being_down(  # type: ignore[no-untyped-def]

@@ -174,6 +174,98 @@ def test_lora_on_a_trained_base_trains_only_the_adapter(
     )
 
 
+def test_a_run_starts_from_another_runs_checkpoint(
+    tmp_path: Path, story_corpus: Path, tiny_tokenizer_path: Path, full_run: tuple[Path, Recorder]
+) -> None:
+    """A full fine-tune's checkpoint (`…/checkpoints/<step>`) as base_checkpoint_uri: its params (not its
+    optimizer state) are the base weights, and a run from them starts at that run's loss, not a fresh
+    model's."""
+    checkpoint = full_run[0] / "checkpoints" / "6"
+    config = tiny_config(
+        tmp_path,
+        story_corpus,
+        tiny_tokenizer_path,
+        spec={"base_checkpoint_uri": str(checkpoint)},
+        max_steps=2,
+    )
+    model = gemma.build_model(
+        "tiny", 1000, lora_rank=None, param_dtype=jnp.float32, compute_dtype=jnp.float32
+    )
+    shardings = train.tree_shardings(train.make_mesh(1), model.abstract_params()[0])
+    loaded = gemma.load_base_params(config.spec, model, shardings)
+    assert same_arrays(loaded, saved_params(checkpoint / "state"))
+    recorder = Recorder()
+    assert train.run(config, recorder, TEST_OPTIONS) == EXIT_OK
+    before = losses(full_run[1].reports)
+    assert losses(recorder.reports)[1] < before[1] - 0.5 * (before[1] - before[6])
+
+
+def test_an_adapter_is_folded_into_its_base(
+    tmp_path: Path, story_corpus: Path, tiny_tokenizer_path: Path, full_run: tuple[Path, Recorder]
+) -> None:
+    """adapter_uri: a LoRA run's checkpoint or export folded into the base it was trained on gives what its
+    merged export holds (W + A·B), and a run from them trains those weights."""
+    base_uri = str(full_run[0] / "final" / "params")
+    lora = tmp_path / "lora"
+    method = {"type": "lora", "lora_rank": 4, "export_merged": True}
+    config = tiny_config(
+        lora,
+        story_corpus,
+        tiny_tokenizer_path,
+        spec={"base_checkpoint_uri": base_uri, "method": method},
+        learning_rate=2e-2,
+        max_steps=4,
+        checkpoint_every_steps=2,
+    )
+    assert train.run(config, Recorder(), TEST_OPTIONS) == EXIT_OK
+    model = gemma.build_model(
+        "tiny", 1000, lora_rank=None, param_dtype=jnp.float32, compute_dtype=jnp.float32
+    )
+    shardings = train.tree_shardings(train.make_mesh(1), model.abstract_params()[0])
+
+    def folded(adapter: Path) -> Any:
+        spec = config.spec.model_copy(
+            update={"adapter_uri": str(adapter), "method": JobSpec.model_fields["method"].default_factory()}
+        )  # type: ignore[misc]
+        return jax.device_get(gemma.load_base_params(spec, model, shardings))
+
+    merged = saved_params(lora / "final" / "params")
+    for adapter in (lora / "final" / "adapter", lora / "checkpoints" / "4"):
+        jax.tree.map(
+            lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6), folded(adapter), merged
+        )
+    at_2 = folded(lora / "checkpoints" / "2")
+    assert not np.allclose(
+        at_2["layer_0"]["attn"]["q_einsum"]["w"], merged["layer_0"]["attn"]["q_einsum"]["w"]
+    )
+    base = saved_params(Path(base_uri))
+    np.testing.assert_array_equal(at_2["embedder"]["input_embedding"], base["embedder"]["input_embedding"])
+
+    # A full fine-tune from base + adapter; the errors that name what to give instead.
+    recorder = Recorder()
+    spec = {"base_checkpoint_uri": base_uri, "adapter_uri": str(lora / "checkpoints" / "4")}
+    more = tiny_config(tmp_path / "more", story_corpus, tiny_tokenizer_path, spec=spec, max_steps=2)
+    assert train.run(more, recorder, TEST_OPTIONS) == EXIT_OK
+    for spec, code, says in (
+        ({"base_checkpoint_uri": base_uri, "adapter_uri": base_uri}, "bad_adapter", "holds no LoRA adapter"),
+        (
+            {"base_checkpoint_uri": base_uri, "adapter_uri": str(tmp_path / "none")},
+            "adapter_not_found",
+            "none",
+        ),
+        (
+            {"base_checkpoint_uri": str(lora / "checkpoints" / "4")},
+            "bad_base_checkpoint",
+            "give it as adapter_uri",
+        ),
+    ):
+        failed = Recorder()
+        bad = tiny_config(tmp_path / code, story_corpus, tiny_tokenizer_path, spec=spec, max_steps=2)
+        assert train.run(bad, failed, TEST_OPTIONS) == EXIT_BAD_INPUT
+        (error,) = failed.of_kind("error")
+        assert error.code == code and says in error.message, error
+
+
 def test_packed_documents_never_attend_across(tiny: tuple[gemma.Model, dict]) -> None:
     model, params = tiny
     rng = np.random.default_rng(0)
