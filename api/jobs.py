@@ -586,6 +586,9 @@ def resolve_from_job[SpecT: JobSpec](spec: SpecT, source: Source) -> SpecT:
     update: dict[str, Any] = {"base_checkpoint_uri": base, "adapter_uri": adapter}
     if spec.tokenizer_uri is None:
         update["tokenizer_uri"] = made.tokenizer_uri
+        gguf = made.base_checkpoint_uri
+        if made.tokenizer_uri is None and gguf is not None and gguf.endswith(".gguf") and base != gguf:
+            update["tokenizer_uri"] = gguf  # (its tokenizer was the GGUF file's; its weights are no more)
     return spec.model_copy(update=update)
 
 

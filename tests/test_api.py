@@ -663,6 +663,15 @@ def test_a_job_starts_from_the_weights_of_one_that_succeeded(client: TestClient,
     assert on_lora.status_code == 201, on_lora.text
     spec = on_lora.json()["spec"]
     assert (spec["base_checkpoint_uri"], spec["adapter_uri"]) == (None, f"{lora['output_uri']}/final/adapter")
+    # A full fine-tune of a GGUF file's weights, without a tokenizer: its tokenizer was the file's, still.
+    gguf = str(dataset.parent / "base.gguf")
+    on_gguf = client.post("/jobs", json=job_body(dataset, base_checkpoint_uri=gguf)).json()
+    _finish(client, on_gguf["id"])
+    spec = client.post("/jobs", json=job_body(dataset, from_job=on_gguf["id"])).json()["spec"]
+    assert (spec["base_checkpoint_uri"], spec["tokenizer_uri"]) == (
+        f"{on_gguf['output_uri']}/final/params",
+        gguf,
+    )
     # One of its own started so: its adapter was trained on a base and an adapter, one too many.
     twice = client.post("/jobs", json=job_body(dataset, method={"type": "lora"}, from_job=lora["id"])).json()
     _finish(client, twice["id"])

@@ -305,7 +305,9 @@ class JobSpec(_Strict):
         "sets it for a LoRA job's weights.",
     )
     tokenizer_uri: Uri | None = Field(
-        default=None, description="SentencePiece model; default the official Gemma 3 tokenizer."
+        default=None,
+        description="A SentencePiece model, or a `.gguf` file (its tokenizer); default: a GGUF base's own, "
+        "else the official Gemma 3 tokenizer.",
     )
     from_job: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9-]+$")] | None = Field(
         default=None,

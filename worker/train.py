@@ -320,17 +320,20 @@ def make_eval_step(model: gemma.Model, accumulation: int) -> Callable:
 
 
 def load_tokenizer(spec: JobSpec, options: RunOptions) -> Tokenizer:
-    """The job's tokenizer: `tokenizer_uri`, else the GGUF file's own, else the official Gemma 3 one."""
+    """The job's tokenizer: `tokenizer_uri` (a SentencePiece model, or a GGUF file's), else the GGUF base
+    weights' own, else the official Gemma 3 one."""
     uri = spec.tokenizer_uri
+    gguf = uri if uri is not None and uri.endswith(".gguf") else None
     if uri is None and spec.base_checkpoint_uri is not None and spec.base_checkpoint_uri.endswith(".gguf"):
+        gguf = spec.base_checkpoint_uri
+    if gguf is not None:
         from worker.gguf_import import GgufImportError, gguf_tokenizer_model
 
         try:
-            uri = str(gguf_tokenizer_model(spec.base_checkpoint_uri, cache_dir=options.cache_dir))
+            uri = str(gguf_tokenizer_model(gguf, cache_dir=options.cache_dir))
         except (GgufImportError, OSError) as error:
-            raise gemma.ModelError(
-                "bad_base_checkpoint", f"no tokenizer from the GGUF file: {error}"
-            ) from error
+            code = "bad_tokenizer" if gguf == spec.tokenizer_uri else "bad_base_checkpoint"
+            raise gemma.ModelError(code, f"no tokenizer from the GGUF file: {error}") from error
     return Tokenizer.load(uri or OFFICIAL_TOKENIZER_URI, options.cache_dir)
 
 

@@ -18,6 +18,7 @@ import pytest
 from gguf import GGUFWriter
 
 from worker import gguf_import
+from worker.config import JobSpec
 from worker.gguf_import import (
     GgufImportError,
     gguf_default_path,
@@ -26,6 +27,7 @@ from worker.gguf_import import (
     load_gguf_params,
 )
 from worker.tokenizer import Tokenizer
+from worker.train import RunOptions, load_tokenizer
 
 MAX_LOSS = 3.0
 
@@ -166,6 +168,15 @@ def test_rebuilt_tokenizer(imported: Imported) -> None:
     assert (worker_tokenizer.pad_id, worker_tokenizer.eos_id, worker_tokenizer.bos_id) == (0, 1, 2)
     assert (worker_tokenizer.start_of_turn_id, worker_tokenizer.end_of_turn_id) == (105, 106)
     assert worker_tokenizer.vocab_size == 262144
+    # The job's tokenizer: the GGUF base's own, or a GGUF file named as tokenizer_uri (a job started from
+    # the weights of one whose base was a GGUF file: they are no more a GGUF file, its tokenizer still is).
+    spec = {"name": "t", "model": "gemma3-270m-pt", "dataset_uri": "/data/x.txt"}
+    options = RunOptions(cache_dir=imported.cache_dir)
+    for named in ({"base_checkpoint_uri": str(imported.gguf)}, {"tokenizer_uri": str(imported.gguf)}):
+        job = load_tokenizer(JobSpec.model_validate({**spec, **named}), options)
+        assert job.vocab_size == 262144 and job.encode("Hello there") == worker_tokenizer.encode(
+            "Hello there"
+        )
 
 
 @pytest.mark.slow
