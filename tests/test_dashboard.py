@@ -347,6 +347,16 @@ def test_job_page_shows_history_updates_live_and_cancels(
     expect(checkpoints).to_have_count(3, timeout=5_000)
     expect(page.locator("#progress-text")).to_contain_text("Step 11 of 20", timeout=5_000)
     expect(page.locator("#f-accuracy")).to_have_text("33.0%")
+    # A run that went on from its checkpoint at step 10 (a restart): the open page drops what the earlier
+    # run reported past it, as the API did, and draws what the new run reports.
+    resumed = {"kind": "status", "step": 10, "key": "loading-b-1", "phase": "loading", "resumed_from": 10}
+    report(api, job_id, token, [{**resumed, "message": "resumed from the checkpoint at step 10"}])
+    expect(chart.locator("circle.marker")).to_have_count(2, timeout=5_000)
+    expect(chart.locator('path[data-series="loss"]')).to_have_attribute("data-count", "10")
+    expect(accuracy.locator("circle.marker")).to_have_count(1)
+    report(api, job_id, token, [step(11, 1.6)])
+    expect(chart.locator('path[data-series="loss"]')).to_have_attribute("data-count", "11", timeout=5_000)
+    assert series(page, "loss")[-1] == [11, 1.6]
     expect(page.locator("#f-exported")).to_have_text("—")
     # Its result (export_best): the weights of step 10, whose eval loss was the lowest, and their figures.
     result = {"kind": "result", "step": 11, "exported_step": 10, "output_uri": "/out/final", "loss": 1.7}

@@ -140,6 +140,16 @@ export class LineChart {
     this.scheduleDraw();
   }
 
+  // Drops every series' points past `step` (a run that went on from its checkpoint there trains them again).
+  truncate(step) {
+    for (const series of this.series.values()) {
+      const keep = series.indexOf(step + 1);
+      series.xs.length = keep;
+      series.ys.length = keep;
+    }
+    this.scheduleDraw();
+  }
+
   // Many points can arrive at once (a replayed stream); draw once per frame at most.
   scheduleDraw() {
     if (this.pending) return;

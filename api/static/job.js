@@ -274,6 +274,12 @@ function follow(after) {
       if (!(message instanceof MessageEvent)) return;
       const event = JSON.parse(message.data);
       lastEventId = event.id;
+      // A run went on from its checkpoint: the steps after it are trained again, their reports replaced (the
+      // API dropped the earlier run's; a page loaded later never had them).
+      if (event.type === "status" && Number.isInteger(event.data?.resumed_from)) {
+        chart.truncate(event.data.resumed_from);
+        accuracyChart.truncate(event.data.resumed_from);
+      }
       handleEvent(event);
       if (event.type === "status" && event.data?.status) setStatus(event.data.status);
       refreshSoon();
