@@ -408,7 +408,7 @@ def checkpoints(args: argparse.Namespace) -> int:
         metrics = ckpt["metrics"]
         print(
             f"step {ckpt['step']:>7}  loss {_num(metrics['loss'])}  eval {_num(metrics['eval_loss'])}"
-            f"{_accuracies(metrics)}  {ckpt['uri']}"
+            f"{_accuracies(metrics)}  {ckpt['uri']}{'  (removed)' if ckpt.get('kept') is False else ''}"
         )
     return 0
 

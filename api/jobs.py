@@ -501,17 +501,22 @@ def read_source(engine: Engine, tenant: str, job_id: str, step: int | None) -> S
     if row is None or step is None:
         return Source(row)
     statement = (
-        sa_select(JobEvent.data)  # type: ignore[call-overload]
+        sa_select(JobEvent.step, JobEvent.data)  # type: ignore[call-overload]
         .join(Job, col(Job.seq) == col(JobEvent.job_seq))
-        .where(Job.id == job_id, Job.tenant == tenant, JobEvent.type == "checkpoint", JobEvent.step == step)
-        .limit(1)
+        .where(Job.id == job_id, Job.tenant == tenant, JobEvent.type == "checkpoint")
+        .order_by(col(JobEvent.id))
     )
     with autocommit_connection(engine) as connection:
-        data = connection.execute(statement).scalar()
-    if isinstance(data, str):  # (SQLite's JSON as text, where the column's type is not applied)
-        data = json.loads(data)
-    uri = (data or {}).get("uri")
-    gone = uri is not None and not uri.startswith("gs://") and not os.path.isdir(uri)
+        # (SQLite's JSON as text, where the column's type is not applied)
+        saved = [
+            (at, json.loads(data) if isinstance(data, str) else data)
+            for at, data in connection.execute(statement)
+        ]
+    uri = next((data.get("uri") for at, data in saved if at == step and data), None)
+    kept = _kept_steps([data for _, data in saved])
+    gone = uri is not None and (
+        (kept is not None and step not in kept) or (not uri.startswith("gs://") and not os.path.isdir(uri))
+    )
     return Source(row, uri, gone)
 
 
@@ -1420,19 +1425,31 @@ def saved_log(session: Session, job: Job) -> JobLog | None:
 CHECKPOINT_FIELDS = ("loss", "eval_loss", "accuracy", "eval_accuracy")
 
 
+def _kept_steps(reports: Sequence[dict[str, Any] | None]) -> set[int] | None:
+    """The steps of the checkpoints kept, as the last of a job's checkpoint reports (`reports`, oldest
+    first) that said so says; None if none did."""
+    for data in reversed(reports):
+        if data and data.get("kept") is not None:
+            return set(data["kept"])
+    return None
+
+
 def checkpoints(session: Session, job: Job) -> list[dict[str, Any]]:
     rows = session.exec(
         select(JobEvent)
         .where(JobEvent.job_seq == job.seq, JobEvent.type == "checkpoint")
         .order_by(col(JobEvent.step))
     )
+    events = list(rows)
+    kept = _kept_steps([event.data for event in sorted(events, key=lambda event: event.id or 0)])
     result = []
-    for event in rows:
+    for event in events:
         data = event.data or {}
         result.append(
             {
                 "step": event.step or 0,
                 "uri": data.get("uri"),
+                "kept": None if kept is None else (event.step or 0) in kept,
                 "created_at": as_utc(event.created_at),
                 "metrics": {k: data.get(k) for k in CHECKPOINT_FIELDS},
             }

@@ -356,6 +356,10 @@ class CheckpointMetrics(BaseModel):
 class CheckpointPublic(BaseModel):
     step: int
     uri: str | None
+    kept: bool | None = Field(
+        description="Whether it is still there: a job keeps its last `keep_checkpoints` (and with "
+        "`export_best` its lowest eval loss's), as its worker last said; null where it did not say."
+    )
     created_at: datetime
     metrics: CheckpointMetrics
 

@@ -735,6 +735,15 @@ def test_a_job_starts_from_a_checkpoint_of_another(client: TestClient, dataset: 
         error = refused.json()["error"]
         assert (error["code"], error["param"]) == ("from_job_checkpoint_not_found", "from_step")
         assert error["message"].startswith(says), error
+    # Checkpoints on Cloud Storage: which are kept, as the job's worker last said (the one at 10 removed).
+    remote = client.post("/jobs", json=job_body(dataset, tokenizer_uri=tokenizer)).json()
+    saved = [
+        {"kind": "checkpoint", "step": n, "uri": f"gs://out/r/checkpoints/{n}", "kept": [n]} for n in (10, 20)
+    ]
+    assert post(client, remote["id"], new_run(client, remote["id"]), saved).status_code == 200
+    assert submit(remote, 20).json()["spec"]["base_checkpoint_uri"] == "gs://out/r/checkpoints/20"
+    removed = submit(remote, 10).json()["error"]
+    assert removed["code"] == "from_job_checkpoint_not_found" and "is no longer kept" in removed["message"]
     alone = client.post("/jobs", json=job_body(dataset, from_step=20))
     assert alone.status_code == 422 and alone.json()["error"]["code"] == "from_step_needs_from_job"
 

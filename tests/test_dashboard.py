@@ -343,8 +343,11 @@ def test_job_page_shows_history_updates_live_and_cancels(
     report(api, job_id, token, [{"kind": "eval", "step": 11, "eval_loss": 1.5, "eval_accuracy": 0.31}])
     expect(chart.locator("circle.marker")).to_have_count(3, timeout=5_000)
     expect(accuracy.locator("circle.marker")).to_have_count(2, timeout=5_000)
-    report(api, job_id, token, [{"kind": "checkpoint", "step": 11, "uri": "/out/ckpt/11"}])
+    report(api, job_id, token, [{"kind": "checkpoint", "step": 11, "uri": "/out/ckpt/11", "kept": [10, 11]}])
     expect(checkpoints).to_have_count(3, timeout=5_000)
+    # (the one at step 5 removed, as the worker said: struck through)
+    expect(page.locator("#checkpoints tbody tr.removed")).to_have_count(1)
+    expect(page.locator("#checkpoints tbody tr.removed")).to_have_attribute("data-step", "5")
     expect(page.locator("#progress-text")).to_contain_text("Step 11 of 20", timeout=5_000)
     expect(page.locator("#f-accuracy")).to_have_text("33.0%")
     # A run that went on from its checkpoint at step 10 (a restart): the open page drops what the earlier

@@ -66,7 +66,8 @@ class Checkpoints:
         return self.manager.latest_step()
 
     def steps(self) -> list[int]:
-        return list(self.manager.all_steps())
+        """The steps of the checkpoints kept (those past the last `keep` go as soon as a save starts)."""
+        return sorted(self.manager.all_steps())
 
     def save(self, step: int, state: Any, data_position: dict[str, Any]) -> None:
         """Start saving; returns once the arrays are copied off the device (the write goes on behind)."""

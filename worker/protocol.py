@@ -15,7 +15,7 @@ Kinds:
 - `metrics`:    one training step's figures (loss, token accuracy, learning rate, ...); the job's latest
                 metrics and progress follow the highest step received.
 - `eval`:       an eval loss (and token accuracy) at a step.
-- `checkpoint`: a checkpoint saved (`uri`), with the metrics at that step.
+- `checkpoint`: a checkpoint saved (`uri`), with the metrics at that step and the steps of those kept.
 - `sample`:     generated text for a prompt (`phase` before|after training).
 - `result`:     the output URI and the figures of the weights it holds: the last step's, or with
                 export_best those of the lowest eval loss (`exported_step`); the worker then exits 0.
@@ -107,8 +107,12 @@ class EvalReport(_Report):
 
 
 class CheckpointReport(_Report):
+    """A checkpoint saved, with the metrics at its step; `kept`: the steps of the run's checkpoints kept
+    once it is written (the last `keep_checkpoints`, and export_best's), the others removed."""
+
     kind: Literal["checkpoint"] = "checkpoint"
     uri: Annotated[Reported, Field(min_length=1, max_length=2048)]
+    kept: Annotated[list[Annotated[int, Field(ge=0, le=MAX_STEP)]], Field(max_length=200)] | None = None
     loss: float | None = None
     eval_loss: float | None = None
     accuracy: Accuracy | None = None

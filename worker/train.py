@@ -840,6 +840,7 @@ class _Run:
             CheckpointReport(
                 step=step,
                 uri=self.checkpoints.uri(step),
+                kept=self.checkpoints.steps(),
                 loss=self.last_loss,
                 accuracy=self.last_accuracy,
                 eval_loss=evaluated.loss if evaluated else None,

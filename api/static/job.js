@@ -186,6 +186,15 @@ function addCheckpoint(event) {
     $("checkpoints").tBodies[0].insertBefore(row, checkpointRows.get(later) ?? null);
   }
   checkpointRows.set(event.step, row);
+  // Which are still there, as the worker said with this one (the others removed: its last keep_checkpoints).
+  if (Array.isArray(data.kept)) {
+    const kept = new Set(data.kept);
+    for (const [step, each] of checkpointRows) {
+      const gone = !kept.has(step);
+      each.classList.toggle("removed", gone);
+      each.title = gone ? "Removed: the job keeps its latest checkpoints (keep_checkpoints)" : "";
+    }
+  }
   $("checkpoints").hidden = false;
   $("checkpoints-empty").hidden = true;
 }

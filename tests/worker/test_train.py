@@ -583,6 +583,7 @@ def test_export_best_exports_the_weights_of_the_lowest_eval_loss(
     assert evals[2].eval_loss < min(evals[0].eval_loss, evals[4].eval_loss), evals  # (the premise)
     # Saved at 2 (a new lowest, not a checkpoint step), 3 (one) and 4 (the end); 3 went, 2 stayed.
     assert [c.step for c in recorder.of_kind("checkpoint")] == [2, 3, 4]
+    assert [c.kept for c in recorder.of_kind("checkpoint")] == [[2], [2, 3], [2, 4]]  # (as each said)
     assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == ["2", "4"]
 
     (result,) = recorder.of_kind("result")
