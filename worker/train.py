@@ -887,6 +887,7 @@ class _Run:
                     "last_step": step,
                     "tokenizer_uri": self.spec.tokenizer_uri,
                     "base_checkpoint_uri": self.spec.base_checkpoint_uri,
+                    "adapter_uri": self.spec.adapter_uri,  # (folded into that base before training)
                     "dtype": str(jnp.dtype(self.model.compute_dtype)),
                     **exported,
                 },

@@ -246,6 +246,8 @@ def test_an_adapter_is_folded_into_its_base(
     spec = {"base_checkpoint_uri": base_uri, "adapter_uri": str(lora / "checkpoints" / "4")}
     more = tiny_config(tmp_path / "more", story_corpus, tiny_tokenizer_path, spec=spec, max_steps=2)
     assert train.run(more, recorder, TEST_OPTIONS) == EXIT_OK
+    export = json.loads((tmp_path / "more" / "final" / "export.json").read_text())
+    assert (export["base_checkpoint_uri"], export["adapter_uri"]) == (base_uri, spec["adapter_uri"])
     for spec, code, says in (
         ({"base_checkpoint_uri": base_uri, "adapter_uri": base_uri}, "bad_adapter", "holds no LoRA adapter"),
         (
