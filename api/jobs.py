@@ -491,7 +491,7 @@ class Source:
 
     row: Any | None  # its row (JOB_COLUMNS), within the caller's tenant; None: no such job
     checkpoint_uri: str | None = None  # with `from_step`: the checkpoint it reported at that step
-    checkpoint_gone: bool = False  # that checkpoint, a local directory, is no longer there
+    checkpoint_gone: bool = False  # no longer kept (its worker said so since, or a local one is gone)
 
 
 def read_source(engine: Engine, tenant: str, job_id: str, step: int | None) -> Source:
