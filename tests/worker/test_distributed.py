@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+from gemma import gm
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -50,9 +53,14 @@ def test_two_processes_reproduce_the_single_process_losses(
     compile_cache: dict[str, str],  # noqa: F811
 ) -> None:
     coordinator = f"127.0.0.1:{free_port()}"
+    # With an eval every step and export_best: the lowest eval loss (step 3's of 6 at this constant learning
+    # rate) is found by both, and its checkpoint restored and exported by every process.
+    hyper = {"max_steps": STEPS, "eval_every_steps": 1, "export_best": True, "learning_rate": 3e-2}
+    hyper |= {"lr_scheduler": "constant", "warmup_steps": 0}
+    spec = {"validation_split": 0.05}
     pair = [
         start_worker(
-            tiny_config(tmp_path / "pair", story_corpus, tiny_tokenizer_path, max_steps=STEPS),
+            tiny_config(tmp_path / "pair", story_corpus, tiny_tokenizer_path, spec=spec, **hyper),
             tmp_path,
             env={
                 **compile_cache,
@@ -67,7 +75,7 @@ def test_two_processes_reproduce_the_single_process_losses(
     ]
     # Meanwhile this process, holding both data shards, builds exactly the global batches the pair builds.
     single = Recorder()
-    config = tiny_config(tmp_path / "single", story_corpus, tiny_tokenizer_path, max_steps=STEPS)
+    config = tiny_config(tmp_path / "single", story_corpus, tiny_tokenizer_path, spec=spec, **hyper)
     assert train.run(config, single, dataclasses.replace(TEST_OPTIONS, data_shards=2)) == EXIT_OK
     outputs = [process.communicate(timeout=500)[0] for process in pair]
 
@@ -84,6 +92,19 @@ def test_two_processes_reproduce_the_single_process_losses(
         rtol=1e-4,
     )
     assert (tmp_path / "pair" / "final" / "params").is_dir()
+    (pair_result,) = [report for report in parse_reports(outputs[0]) if report["kind"] == "result"]
+    (single_result,) = single.of_kind("result")
+    assert pair_result["exported_step"] == single_result.exported_step == 3, (pair_result, single_result)
+    np.testing.assert_allclose(pair_result["eval_loss"], single_result.eval_loss, rtol=1e-4)
+    # (the pair's export is its own checkpoint's params: the two runs' weights differ in the last bits)
+    state, checkpointer = tmp_path / "pair" / "checkpoints" / "3" / "state", ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(state).item_metadata.tree["params"]
+    on_host = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    only = {"item": {"params": tree}, "restore_args": {"params": on_host}, "partial_restore": True}
+    kept = checkpointer.restore(state, args=ocp.args.PyTreeRestore(**only))["params"]
+    jax.tree.map(
+        np.testing.assert_array_equal, gm.ckpts.load_params(tmp_path / "pair" / "final" / "params"), kept
+    )
     # Each process packed its own shard: what process 0 reports is the two shards' sum.
     (pair_data,) = [report for report in parse_reports(outputs[0]) if report["kind"] == "data"]
     (single_data,) = single.of_kind("data")
