@@ -224,9 +224,7 @@ def test_an_adapter_is_folded_into_its_base(
     shardings = train.tree_shardings(train.make_mesh(1), model.abstract_params()[0])
 
     def folded(adapter: Path) -> Any:
-        spec = config.spec.model_copy(
-            update={"adapter_uri": str(adapter), "method": JobSpec.model_fields["method"].default_factory()}
-        )  # type: ignore[misc]
+        spec = config.spec.model_copy(update={"adapter_uri": str(adapter)})  # (the base, with this adapter)
         return jax.device_get(gemma.load_base_params(spec, model, shardings))
 
     merged = saved_params(lora / "final" / "params")
