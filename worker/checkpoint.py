@@ -89,9 +89,13 @@ class Checkpoints:
         )
         return restored.state, dict(restored.data)
 
+    def wait(self) -> None:
+        """Wait for writes in flight (and the removals after them)."""
+        self.manager.wait_until_finished()
+
     def close(self) -> None:
         """Wait for writes in flight, then release the manager."""
-        self.manager.wait_until_finished()
+        self.wait()
         self.manager.close()
 
 

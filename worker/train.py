@@ -808,7 +808,7 @@ class _Run:
         at step 0 the initial weights. Sets the train figures to that step's."""
         lowest = self.lowest_eval
         assert lowest is not None
-        self.checkpoints.manager.wait_until_finished()
+        self.checkpoints.wait()
         if lowest.step == 0:  # (the base model's: a fresh adapter on it, or the base weights again)
             self.last_loss = self.last_accuracy = None
             if self.model.lora_rank is not None:
