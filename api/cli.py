@@ -193,6 +193,8 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
         spec.setdefault("method", {})["type"] = args.method
     if args.lora_rank:
         spec.setdefault("method", {})["lora_rank"] = args.lora_rank
+    if args.export_hf:
+        spec.setdefault("method", {})["export_hf"] = True
     hp = {
         "epochs": args.epochs,
         "max_steps": args.max_steps,
@@ -734,6 +736,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--method", choices=["full", "lora"])
     p.add_argument("--lora-rank", type=int)
+    p.add_argument(
+        "--export-hf", action="store_true", help="also export a Hugging Face model (final/hf: safetensors)"
+    )
     p.add_argument("--epochs", type=int)
     p.add_argument("--max-steps", type=int)
     p.add_argument("--batch-size", type=int)

@@ -35,7 +35,8 @@ def demo_spec(dataset: Path, gguf: Path, steps: int) -> dict[str, Any]:
         "name": "demo: Gemma 3 270M on stories",
         "model": "gemma3-270m-pt",
         "base_checkpoint_uri": str(gguf),
-        "method": {"type": "lora", "lora_rank": 16},
+        # (and the merged weights as a Hugging Face model, for transformers or vLLM)
+        "method": {"type": "lora", "lora_rank": 16, "export_hf": True},
         "dataset_uri": str(dataset),
         "validation_split": 0.005,
         "hyperparameters": {
@@ -149,6 +150,8 @@ def run_demo(args: argparse.Namespace) -> int:
     if losses:
         print(f"Train loss: {losses[0]:.3f} → {losses[-1]:.3f} (first → last step)")
     print(f"\nJob {job_id} {job['status']}" + (f": {job['error']['message']}" if job.get("error") else ""))
+    if job["status"] == "succeeded" and job.get("output_uri"):
+        print(f"Weights: {job['output_uri']}/final (Hugging Face model: {job['output_uri']}/final/hf)")
     print(f"Wall time: {time.monotonic() - started:.0f} s")
     print(f"Dashboard: {url}/ui/jobs/{job_id}   API docs: {url}/docs")
     if pid is not None:

@@ -78,9 +78,17 @@ def test_submit_follow_status_events_checkpoints(live_api, dataset: Path, capsys
     code, _, err = run(api, capsys, "logs", job_id, "--previous")  # (a local log file keeps every run's)
     assert code == 3 and "drop previous. (previous_not_supported)" in err
     # Another from its weights; the API's sentence when it cannot.
-    code, out, _ = run(api, capsys, "submit", str(spec), "--from-job", job_id)
+    code, out, _ = run(
+        api, capsys, "submit", str(spec), "--from-job", job_id, "--method", "lora", "--export-hf"
+    )
     more = api.client().get(f"/jobs/{out.split()[1]}").json()
     assert code == 0 and more["spec"]["from_job"] == job_id
+    assert more["spec"]["method"] == {
+        "type": "lora",
+        "lora_rank": 8,
+        "export_merged": False,
+        "export_hf": True,
+    }
     assert more["spec"]["base_checkpoint_uri"] == f"{job['output_uri']}/final/params"
     code, _, err = run(api, capsys, "submit", str(spec), "--from-job", "ft-nowhere")
     assert code == 3 and "there is no job ft-nowhere of your team. (from_job_not_found)" in err

@@ -57,6 +57,12 @@ class Method(_Strict):
     export_merged: bool = Field(
         default=False, description="LoRA only: also export the base weights with the adapter merged in."
     )
+    export_hf: bool = Field(
+        default=False,
+        description="Also export the weights as a Hugging Face model (`Gemma3ForCausalLM`: safetensors, "
+        "config and tokenizer) under `{output_uri}/final/hf`, for transformers, vLLM and the tools that read "
+        "it; a LoRA job's with the adapter merged in.",
+    )
 
     @model_validator(mode="after")
     def _rank_matches_type(self) -> Method:

@@ -54,6 +54,7 @@ from worker.data import (
     TrainData,
     load_train_data,
 )
+from worker.hf_export import export_hf
 from worker.protocol import (
     CheckpointReport,
     DataReport,
@@ -866,16 +867,26 @@ class _Run:
         exported: dict[str, str] = {}
         # Exported in the compute dtype, as the official checkpoints are.
         cast = jax.jit(lambda tree: jax.tree.map(lambda x: x.astype(self.model.compute_dtype), tree))
+        weights = state["params"]  # (the whole network's: a LoRA job's with its adapter merged in)
         if method.type == "lora":
             export_params(cast(state["params"]), join(final, "adapter"))
             exported["adapter"] = join(final, "adapter")
-            if method.export_merged:
-                merged = jax.jit(gemma.merge_lora)(frozen, state["params"])
-                export_params(cast(merged), join(final, "params"))
-                exported["params"] = join(final, "params")
-        else:
-            export_params(cast(state["params"]), join(final, "params"))
+            merge = method.export_merged or method.export_hf
+            weights = jax.jit(gemma.merge_lora)(frozen, state["params"]) if merge else None
+        if method.type == "full" or method.export_merged:
+            export_params(cast(weights), join(final, "params"))
             exported["params"] = join(final, "params")
+        if method.export_hf:
+            self.status("exporting the weights as a Hugging Face model", "exporting", step=step)
+            hf_model = join(final, "hf")
+            export_hf(
+                cast(weights),
+                hf_model,
+                config=self.model.base.config,
+                model_name=self.spec.model,
+                tokenizer=self.tokenizer,
+            )
+            exported["hf"] = hf_model
         if jax.process_index() == 0:
             write_json(
                 join(final, "export.json"),

@@ -143,3 +143,39 @@ def compile_cache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     return {"JAX_COMPILATION_CACHE_DIR": path, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
+def run_hf(
+    model_dir: Path,
+    workdir: Path,
+    *,
+    tokens: Any = None,
+    texts: list[str] | None = None,
+    chats: list[list[dict[str, str]]] | None = None,
+    config: bool = False,
+) -> tuple[dict[str, Any], Any]:
+    """What transformers makes of an exported Hugging Face model (`tests/worker/hf_side.py`, in a process of
+    its own): (its result, with `config`, `texts`, `chats`, `dtype`; the logits for `tokens`, or None)."""
+    import numpy as np
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    request: dict[str, Any] = {"model": str(model_dir), "texts": texts or [], "chats": chats or []}
+    request["config"] = config
+    if tokens is not None:
+        np.save(workdir / "tokens.npy", np.asarray(tokens))
+        request["tokens"] = str(workdir / "tokens.npy")
+    (workdir / "request.json").write_text(json.dumps(request))
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "tests" / "worker" / "hf_side.py"),
+            str(workdir / "request.json"),
+            str(workdir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((workdir / "result.json").read_text())
+    return result, np.load(workdir / "logits.npy") if tokens is not None else None

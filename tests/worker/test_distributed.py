@@ -12,7 +12,9 @@ import pytest
 from gemma import gm
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
+from safetensors.numpy import load_file
 
+from tests.worker.conftest import TINY_VOCAB_SIZE
 from tests.worker.helpers import (
     TEST_OPTIONS,
     Recorder,
@@ -24,8 +26,10 @@ from tests.worker.helpers import (
     start_worker,
     tiny_config,
 )
+from worker import model as gemma
 from worker import train
 from worker.config import EXIT_OK
+from worker.hf_export import hf_tensors
 
 STEPS = 6
 
@@ -58,9 +62,11 @@ def test_two_processes_reproduce_the_single_process_losses(
     hyper = {"max_steps": STEPS, "eval_every_steps": 1, "export_best": True, "learning_rate": 3e-2}
     hyper |= {"lr_scheduler": "constant", "warmup_steps": 0}
     spec = {"validation_split": 0.05}
+    # The pair also exports a Hugging Face model: each weight gathered from both processes to the first.
+    pair_spec = {**spec, "method": {"type": "full", "export_hf": True}}
     pair = [
         start_worker(
-            tiny_config(tmp_path / "pair", story_corpus, tiny_tokenizer_path, spec=spec, **hyper),
+            tiny_config(tmp_path / "pair", story_corpus, tiny_tokenizer_path, spec=pair_spec, **hyper),
             tmp_path,
             env={
                 **compile_cache,
@@ -105,6 +111,11 @@ def test_two_processes_reproduce_the_single_process_losses(
     jax.tree.map(
         np.testing.assert_array_equal, gm.ckpts.load_params(tmp_path / "pair" / "final" / "params"), kept
     )
+    hf = load_file(tmp_path / "pair" / "final" / "hf" / "model.safetensors")
+    expected = dict(hf_tensors(kept, gemma.tiny_config(TINY_VOCAB_SIZE)))
+    assert hf.keys() == expected.keys()
+    for name, array in expected.items():
+        np.testing.assert_array_equal(hf[name], array, err_msg=name)
     # Each process packed its own shard: what process 0 reports is the two shards' sum.
     (pair_data,) = [report for report in parse_reports(outputs[0]) if report["kind"] == "data"]
     (single_data,) = single.of_kind("data")

@@ -6,6 +6,7 @@ nats/token, random weights ~12.5, and mapping mistakes 3.5 or more (q/k norms le
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -17,8 +18,10 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
+from tests.worker.helpers import run_hf
 from worker import gguf_import
 from worker.config import JobSpec
+from worker.data import Message, encode_documents
 from worker.gguf_import import (
     GgufImportError,
     gguf_default_path,
@@ -26,6 +29,7 @@ from worker.gguf_import import (
     gguf_tokenizer_model,
     load_gguf_params,
 )
+from worker.hf_export import export_hf
 from worker.tokenizer import Tokenizer
 from worker.train import RunOptions, load_tokenizer
 
@@ -151,6 +155,46 @@ def test_loss_on_english_prose(imported: Imported) -> None:
     print(f"greedy: The capital of France is{tokenizer.decode(buffer[0, len(prompt) :].tolist())!r}")
 
     assert loss <= MAX_LOSS
+
+
+@pytest.mark.slow
+def test_hugging_face_export_of_the_real_model(imported: Imported, tmp_path: Path) -> None:
+    """The real 270M exported as a Hugging Face model, in bfloat16 as a run exports it: transformers
+    measures the loss gemma measures on the same prose, and the tokenizer (rebuilt from the GGUF) and chat
+    template give the ids the worker gives."""
+    import jax
+    import jax.numpy as jnp
+    from gemma import gm
+
+    tokenizer = Tokenizer.load(gguf_tokenizer_model(imported.gguf, cache_dir=imported.cache_dir))
+    params = jax.tree.map(lambda leaf: leaf.astype(jnp.bfloat16), imported.params["params"])
+    out = tmp_path / "hf"
+    model = gm.nn.Gemma3_270M()
+    export_hf(params, str(out), config=model.config, model_name="gemma3-270m-it", tokenizer=tokenizer)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [1, 106]
+
+    rows = [[tokenizer.bos_id, *tokenizer.encode(paragraph)] for paragraph in PARAGRAPHS]
+    tokens = np.zeros((len(rows), max(map(len, rows))), np.int32)  # (pad 0 after each row: causal)
+    for index, row in enumerate(rows):
+        tokens[index, : len(row)] = row
+    chat = (Message("user", "Name a color."), Message("model", "Blue."))
+    messages = [{"role": message.role, "content": message.content} for message in chat]
+    result, logits = run_hf(out, tmp_path / "side", tokens=tokens, texts=PARAGRAPHS, chats=[messages])
+    assert result["dtype"] == "torch.bfloat16"
+
+    def loss(logits: Any) -> float:
+        log_probs = np.asarray(jax.nn.log_softmax(jnp.asarray(logits[:, :-1], jnp.float32), axis=-1))
+        targets = tokens[:, 1:]
+        picked = -np.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+        return float(picked[targets != 0].mean())
+
+    ours = loss(np.asarray(jax.jit(model.apply)({"params": params}, tokens).logits))
+    theirs = loss(logits)
+    print(f"\nloss on {len(rows)} paragraphs: gemma {ours:.4f}, transformers {theirs:.4f} nats/token")
+    assert theirs <= MAX_LOSS and abs(theirs - ours) < 0.02
+    assert result["texts"] == rows
+    (trained,) = encode_documents([chat], tokenizer)
+    assert result["chats"] == [trained.tokens.tolist()[:-1]]
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from tests.worker.helpers import (  # noqa: F401
     compile_cache,
     losses,
     parse_reports,
+    run_hf,
     start_worker,
     tiny_config,
 )
@@ -135,7 +136,7 @@ def test_lora_on_a_trained_base_trains_only_the_adapter(
         tiny_tokenizer_path,
         spec={
             "base_checkpoint_uri": str(base_uri),
-            "method": {"type": "lora", "lora_rank": 4, "export_merged": True},
+            "method": {"type": "lora", "lora_rank": 4, "export_merged": True, "export_hf": True},
         },
         learning_rate=2e-2,
         max_steps=24,
@@ -172,6 +173,12 @@ def test_lora_on_a_trained_base_trains_only_the_adapter(
         atol=2e-4,
         rtol=1e-4,
     )
+    # export_hf: the same weights as a Hugging Face model, which transformers runs to the same logits.
+    export = json.loads((tmp_path / "out" / "final" / "export.json").read_text())
+    assert export["hf"] == str(tmp_path / "out" / "final" / "hf")
+    _, logits = run_hf(Path(export["hf"]), tmp_path / "hf-side", tokens=tokens)
+    expected = plain.base.apply({"params": merged}, tokens).logits
+    np.testing.assert_allclose(logits, expected, atol=2e-4, rtol=1e-4)
 
 
 def test_a_run_starts_from_another_runs_checkpoint(

@@ -1,0 +1,289 @@
+"""Fine-tuned weights as a Hugging Face model: `Gemma3ForCausalLM` in safetensors, with its config and
+tokenizer, for `transformers`, vLLM and the tools that read that layout (and convert it: llama.cpp).
+
+What `gm.nn.Gemma3_*` and `transformers`' Gemma 3 store differently, and is changed here:
+- each projection is one `(out_features, in_features)` matrix: gemma's `q_einsum` `(heads, embed, head_dim)`
+  is `q_proj` `(heads * head_dim, embed)`, its `kv_einsum` holds `k_proj` and `v_proj`, `attn_vec_einsum`
+  `(heads, head_dim, embed)` is `o_proj` `(embed, heads * head_dim)`; the MLP's `gating_einsum` holds
+  `gate_proj` (index 0, the one through the GELU) and `up_proj`, `linear` is `down_proj` transposed;
+- RMSNorm scales are the same numbers (both compute `x * (1 + scale)`), and rotary embeddings rotate the
+  same halves of each head, so no permutation is needed; the output layer is tied to the embedding;
+- the text model only: the 4B and larger ones are exported as the text model `Gemma3ForCausalLM`.
+
+Each tensor is gathered to the first JAX process (across hosts, one tensor at a time) and written by it, in
+shards of at most `max_shard_bytes`, with `model.safetensors.index.json` when there is more than one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
+from gemma import gm
+
+from worker.tokenizer import Tokenizer
+
+Params = dict[str, Any]
+
+# transformers' own default shard size ("5GB"); a shard never splits a tensor.
+MAX_SHARD_BYTES = 5 * 10**9
+# Gemma 3's context lengths (its model cards): 32K tokens for 270M and 1B, 128K for the larger ones.
+_MAX_POSITIONS = {"270m": 32_768, "1b": 32_768}
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+# Gemma's turn format, as the trainer lays out chat data (`worker/data.py`): a system message opens the
+# first user turn; `assistant` is Gemma's `model`.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') + message['content']"
+    " + '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
+def hf_config(
+    config: gm.nn.config.TransformerConfig, model_name: str, dtype: Any, *, eos_ids: list[int]
+) -> dict[str, Any]:
+    """`config.json` of a `Gemma3ForCausalLM` equal to the gemma network of `config`."""
+    # transformers scales queries by `query_pre_attn_scalar ** -0.5` (an int); gemma by the config's choice.
+    norm = gm.nn.config.QueryPreAttentionNormalisation
+    match config.query_pre_attn_norm:
+        case norm.BY_ONE_OVER_SQRT_HEAD_DIM:
+            scalar = config.head_dim
+        case norm.BY_ONE_OVER_SQRT_EMBED_DIM_DIV_NUM_HEADS:
+            scalar = config.embed_dim // config.num_heads
+        case other:  # (no Gemma 3 size)
+            raise ValueError(f"transformers' Gemma 3 cannot scale queries as {other}")
+    layer_types = [
+        "sliding_attention" if kind == gm.nn.AttentionType.LOCAL_SLIDING else "full_attention"
+        for kind in config.attention_types
+    ]
+    size = model_name.split("-")[1] if model_name.startswith("gemma3-") else "270m"
+    rope_scaling = (
+        None
+        if config.global_scale_factor == 1.0
+        else {"rope_type": "linear", "factor": float(config.global_scale_factor)}
+    )
+    torch_dtype = _TORCH_DTYPES[np.dtype(dtype).name]
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": config.num_embed,
+        "hidden_size": config.embed_dim,
+        "intermediate_size": config.hidden_dim,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": _MAX_POSITIONS.get(size, 131_072),
+        "rms_norm_eps": 1e-6,
+        "query_pre_attn_scalar": scalar,
+        "sliding_window": config.sliding_window_size,
+        "layer_types": layer_types,
+        # transformers 4.x names the rotary bases so; 5.x reads them into `rope_parameters`.
+        "rope_theta": float(config.global_base_frequency),
+        "rope_local_base_freq": float(config.local_base_frequency),
+        "rope_scaling": rope_scaling,
+        "final_logit_softcapping": config.final_logit_softcap,
+        "attn_logit_softcapping": config.attn_logits_soft_cap,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+        "eos_token_id": eos_ids if len(eos_ids) > 1 else eos_ids[0],
+        "bos_token_id": 2,
+        "torch_dtype": torch_dtype,
+        "dtype": torch_dtype,
+        "use_cache": True,
+    }
+
+
+def hf_tensors(params: Params, config: gm.nn.config.TransformerConfig) -> Iterator[tuple[str, Any]]:
+    """(name, array) of each `Gemma3ForCausalLM` weight, in the order written; arrays stay as given (JAX
+    arrays are converted one at a time by the caller)."""
+    heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+
+    def rows(weight: Any, count: int) -> Any:
+        """(count, embed, head_dim) -> (count * head_dim, embed)."""
+        return weight.transpose(0, 2, 1).reshape(count * head_dim, -1)
+
+    yield "model.embed_tokens.weight", params["embedder"]["input_embedding"]
+    for layer in range(config.num_layers):
+        block, prefix = params[f"layer_{layer}"], f"model.layers.{layer}."
+        attn, mlp = block["attn"], block["mlp"]
+        yield prefix + "self_attn.q_proj.weight", rows(attn["q_einsum"]["w"], heads)
+        kv = attn["kv_einsum"]["w"]
+        yield prefix + "self_attn.k_proj.weight", rows(kv[0], kv_heads)
+        yield prefix + "self_attn.v_proj.weight", rows(kv[1], kv_heads)
+        yield prefix + "self_attn.o_proj.weight", attn["attn_vec_einsum"]["w"].reshape(heads * head_dim, -1).T
+        yield prefix + "self_attn.q_norm.weight", attn["_query_norm"]["scale"]
+        yield prefix + "self_attn.k_norm.weight", attn["_key_norm"]["scale"]
+        gating = mlp["gating_einsum"]
+        if not config.transpose_gating_einsum:  # (2, embed, hidden) -> (2, hidden, embed)
+            gating = gating.transpose(0, 2, 1)
+        yield prefix + "mlp.gate_proj.weight", gating[0]
+        yield prefix + "mlp.up_proj.weight", gating[1]
+        yield prefix + "mlp.down_proj.weight", mlp["linear"].T
+        yield prefix + "input_layernorm.weight", block["pre_attention_norm"]["scale"]
+        yield prefix + "post_attention_layernorm.weight", block["post_attention_norm"]["scale"]
+        yield prefix + "pre_feedforward_layernorm.weight", block["pre_ffw_norm"]["scale"]
+        yield prefix + "post_feedforward_layernorm.weight", block["post_ffw_norm"]["scale"]
+    yield "model.norm.weight", params["final_norm"]["scale"]
+
+
+def export_hf(
+    params: Params,
+    uri: str,
+    *,
+    config: gm.nn.config.TransformerConfig,
+    model_name: str,
+    tokenizer: Tokenizer,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> None:
+    """Write `params` (the plain Gemma tree, in the dtype to export) as a Hugging Face model under `uri`.
+
+    Every JAX process must call it (the tensors are gathered collectively); the first one writes."""
+    writer = jax.process_index() == 0
+    root = epath.Path(uri)
+    if writer:
+        root.mkdir(parents=True, exist_ok=True)
+    # Shapes and dtypes first, from the abstract tree: each shard's header is written before its data.
+    names: list[str] = []
+
+    def arrays(tree: Params) -> list[Any]:
+        named = list(hf_tensors(tree, config))
+        names[:] = [name for name, _ in named]
+        return [array for _, array in named]
+
+    shapes = jax.eval_shape(arrays, params)  # (fills `names`)
+    abstract = dict(zip(names, shapes, strict=True))
+    shards = _plan_shards([(name, abstract[name]) for name in names], max_shard_bytes)
+    dtype = np.dtype(abstract[names[0]].dtype)
+    tensors = hf_tensors(params, config)
+    weight_map: dict[str, str] = {}
+    for index, shard in enumerate(shards):
+        file = (
+            "model.safetensors"
+            if len(shards) == 1
+            else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
+        header = _header([(name, abstract[name]) for name in shard])
+        handle = (root / file).open("wb") if writer else None
+        try:
+            if handle is not None:
+                handle.write(header)
+            for name in shard:
+                got, array = next(tensors)
+                assert got == name
+                host = _gathered(array)
+                if handle is not None:
+                    handle.write(np.ascontiguousarray(host).tobytes())
+                weight_map[name] = file
+        finally:
+            if handle is not None:
+                handle.close()
+    if not writer:
+        return
+    if len(shards) > 1:
+        total = sum(math.prod(abstract[name].shape) * dtype.itemsize for name in names)
+        index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _write_json(root / "model.safetensors.index.json", index_json)
+    eos_ids = [tokenizer.eos_id]
+    end_of_turn = tokenizer.piece_to_id("<end_of_turn>")
+    if model_name.endswith("-it") and end_of_turn is not None:
+        eos_ids.append(end_of_turn)
+    _write_json(root / "config.json", hf_config(config, model_name, dtype, eos_ids=eos_ids))
+    _write_json(
+        root / "generation_config.json",
+        {"bos_token_id": tokenizer.bos_id, "eos_token_id": eos_ids, "pad_token_id": tokenizer.pad_id},
+    )
+    _write_tokenizer(root, tokenizer)
+
+
+def _write_tokenizer(root: epath.Path, tokenizer: Tokenizer) -> None:
+    """The SentencePiece model as `tokenizer.model`, and the settings transformers' `GemmaTokenizer` takes."""
+    processor = tokenizer.processor
+    (root / "tokenizer.model").write_bytes(processor.serialized_model_proto())
+    piece = processor.IdToPiece
+    special = {
+        "bos_token": piece(tokenizer.bos_id),
+        "eos_token": piece(tokenizer.eos_id),
+        "pad_token": piece(tokenizer.pad_id),
+        "unk_token": piece(processor.unk_id()),
+    }
+    _write_json(
+        root / "tokenizer_config.json",
+        {
+            "tokenizer_class": "GemmaTokenizer",
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "spaces_between_special_tokens": False,
+            "sp_model_kwargs": {},
+            "chat_template": CHAT_TEMPLATE,
+            **special,
+        },
+    )
+    _write_json(root / "special_tokens_map.json", special)
+
+
+def _gathered(array: Any) -> np.ndarray:
+    """The whole of `array` on this host (a collective where it spans processes)."""
+    if isinstance(array, jax.Array) and not array.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+    return np.asarray(array)
+
+
+def _plan_shards(tensors: list[tuple[str, Any]], max_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, leaf in tensors:
+        nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _header(tensors: list[tuple[str, Any]]) -> bytes:
+    """A safetensors header: its length (u64, little-endian), then JSON padded with spaces to 8 bytes."""
+    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, leaf in tensors:
+        dtype = np.dtype(leaf.dtype)
+        nbytes = math.prod(leaf.shape) * dtype.itemsize
+        entries[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype.name],
+            "shape": list(leaf.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _write_json(path: epath.Path, value: dict[str, Any]) -> None:
+    path.write_text(json.dumps(value, indent=2) + "\n")
