@@ -61,7 +61,8 @@ class Method(_Strict):
         default=False,
         description="Also export the weights as a Hugging Face model (`Gemma3ForCausalLM`: safetensors, "
         "config and tokenizer) under `{output_uri}/final/hf`, for transformers, vLLM and the tools that read "
-        "it; a LoRA job's with the adapter merged in.",
+        "it; a LoRA job's with the adapter merged in, and its adapter alone for PEFT under "
+        "`final/hf_adapter`.",
     )
 
     @model_validator(mode="after")

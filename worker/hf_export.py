@@ -149,6 +149,57 @@ def hf_tensors(params: Params, config: gm.nn.config.TransformerConfig) -> Iterat
     yield "model.norm.weight", params["final_norm"]["scale"]
 
 
+def hf_adapter_tensors(lora: Params, config: gm.nn.config.TransformerConfig) -> Iterator[tuple[str, Any]]:
+    """(name, array) of each weight of a gemma LoRA adapter (`gm.nn.LoRA`'s `a`, `b` of every einsum) as
+    PEFT's LoRA on those projections: `lora_A` `(rank, in_features)`, `lora_B` `(out_features, rank)`, so
+    that `lora_B @ lora_A` is the change of the `hf_tensors` weight (PEFT's scaling `lora_alpha / r` = 1).
+    The gating einsum's one adapter is both `gate_proj`'s and `up_proj`'s `lora_A`."""
+    if not config.transpose_gating_einsum:  # (every Gemma 3 size transposes it)
+        raise ValueError("a LoRA adapter of an untransposed gating einsum has no PEFT layout here")
+
+    def adapter(node: Params, key: str = "_LoRAEinsum_0") -> tuple[Any, Any]:
+        return node[key]["lora"]["a"], node[key]["lora"]["b"]
+
+    def pair(module: str, a: Any, b: Any) -> Iterator[tuple[str, Any]]:
+        yield f"{module}.lora_A.weight", a
+        yield f"{module}.lora_B.weight", b
+
+    for layer in range(config.num_layers):
+        block, prefix = lora[f"layer_{layer}"], f"base_model.model.model.layers.{layer}."
+        attn, mlp = block["attn"], block["mlp"]
+        a, b = adapter(attn["q_einsum"])  # a (embed, r), b (r, heads, head_dim)
+        rank = a.shape[-1]
+        yield from pair(prefix + "self_attn.q_proj", a.T, b.reshape(rank, -1).T)
+        a, b = adapter(attn["kv_einsum"])  # b (r, 2, kv_heads, head_dim)
+        yield from pair(prefix + "self_attn.k_proj", a.T, b[:, 0].reshape(rank, -1).T)
+        yield from pair(prefix + "self_attn.v_proj", a.T, b[:, 1].reshape(rank, -1).T)
+        a, b = adapter(attn["attn_vec_einsum"])  # a (heads, head_dim, r), b (r, embed)
+        yield from pair(prefix + "self_attn.o_proj", a.reshape(-1, rank).T, b.T)
+        a, b = adapter(mlp, "_LoRAEinsum_gating_einsum")  # a (embed, r), b (r, 2, hidden)
+        yield from pair(prefix + "mlp.gate_proj", a.T, b[:, 0].T)
+        yield from pair(prefix + "mlp.up_proj", a.T, b[:, 1].T)
+        a, b = adapter(mlp, "_LoRAEinsum_linear")  # a (hidden, r), b (r, embed)
+        yield from pair(prefix + "mlp.down_proj", a.T, b.T)
+
+
+def hub_model_id(model_name: str) -> str | None:
+    """The Hugging Face id of the official weights of `model_name` (`gemma3-1b-it`), where its text model is
+    the whole `Gemma3ForCausalLM` an adapter applies to as exported: 270M and 1B (the larger ones are
+    multimodal there, their layers under another name)."""
+    parts = model_name.split("-")
+    if len(parts) != 3 or parts[1] not in ("270m", "1b"):
+        return None
+    _, size, kind = parts
+    return (
+        f"google/gemma-3-270m{'-it' if kind == 'it' else ''}"
+        if size == "270m"
+        else f"google/gemma-3-1b-{kind}"
+    )
+
+
+PEFT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
 def export_hf(
     params: Params,
     uri: str,
@@ -161,51 +212,10 @@ def export_hf(
     """Write `params` (the plain Gemma tree, in the dtype to export) as a Hugging Face model under `uri`.
 
     Every JAX process must call it (the tensors are gathered collectively); the first one writes."""
-    writer = jax.process_index() == 0
     root = epath.Path(uri)
-    if writer:
-        root.mkdir(parents=True, exist_ok=True)
-    # Shapes and dtypes first, from the abstract tree: each shard's header is written before its data.
-    names: list[str] = []
-
-    def arrays(tree: Params) -> list[Any]:
-        named = list(hf_tensors(tree, config))
-        names[:] = [name for name, _ in named]
-        return [array for _, array in named]
-
-    shapes = jax.eval_shape(arrays, params)  # (fills `names`)
-    abstract = dict(zip(names, shapes, strict=True))
-    shards = _plan_shards([(name, abstract[name]) for name in names], max_shard_bytes)
-    dtype = np.dtype(abstract[names[0]].dtype)
-    tensors = hf_tensors(params, config)
-    weight_map: dict[str, str] = {}
-    for index, shard in enumerate(shards):
-        file = (
-            "model.safetensors"
-            if len(shards) == 1
-            else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
-        )
-        header = _header([(name, abstract[name]) for name in shard])
-        handle = (root / file).open("wb") if writer else None
-        try:
-            if handle is not None:
-                handle.write(header)
-            for name in shard:
-                got, array = next(tensors)
-                assert got == name
-                host = _gathered(array)
-                if handle is not None:
-                    handle.write(np.ascontiguousarray(host).tobytes())
-                weight_map[name] = file
-        finally:
-            if handle is not None:
-                handle.close()
-    if not writer:
+    dtype = _write_weights(root, "model", lambda tree: hf_tensors(tree, config), params, max_shard_bytes)
+    if jax.process_index() != 0:
         return
-    if len(shards) > 1:
-        total = sum(math.prod(abstract[name].shape) * dtype.itemsize for name in names)
-        index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        _write_json(root / "model.safetensors.index.json", index_json)
     eos_ids = [tokenizer.eos_id]
     end_of_turn = tokenizer.piece_to_id("<end_of_turn>")
     if model_name.endswith("-it") and end_of_turn is not None:
@@ -216,6 +226,85 @@ def export_hf(
         {"bos_token_id": tokenizer.bos_id, "eos_token_id": eos_ids, "pad_token_id": tokenizer.pad_id},
     )
     _write_tokenizer(root, tokenizer)
+
+
+def export_hf_adapter(
+    lora: Params, uri: str, *, config: gm.nn.config.TransformerConfig, base_model: str | None
+) -> None:
+    """Write a gemma LoRA adapter as a PEFT adapter (`adapter_model.safetensors`, `adapter_config.json`)
+    under `uri`, for `peft.PeftModel` or vLLM's LoRA serving on the base model (`base_model`: its name or
+    path, as `base_model_name_or_path`). Every JAX process must call it; the first one writes."""
+    root = epath.Path(uri)
+    _write_weights(root, "adapter_model", lambda tree: hf_adapter_tensors(tree, config), lora, None)
+    if jax.process_index() != 0:
+        return
+    rank = int(lora["layer_0"]["attn"]["q_einsum"]["_LoRAEinsum_0"]["lora"]["a"].shape[-1])
+    _write_json(
+        root / "adapter_config.json",
+        {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model,
+            "r": rank,
+            "lora_alpha": rank,  # (scaling 1: gemma adds A·B as it is)
+            "lora_dropout": 0.0,
+            "bias": "none",
+            "target_modules": PEFT_TARGET_MODULES,
+            "fan_in_fan_out": False,
+            "use_rslora": False,
+            "use_dora": False,
+            "inference_mode": True,
+        },
+    )
+
+
+def _write_weights(
+    root: epath.Path, stem: str, tensors_of: Any, tree: Params, max_shard_bytes: int | None
+) -> np.dtype:
+    """Write the arrays `tensors_of(tree)` yields as `{stem}.safetensors`, or in shards of at most
+    `max_shard_bytes` with `{stem}.safetensors.index.json`; returns their dtype. Each array is gathered to
+    the first process, which writes it: one array's bytes on the host at a time."""
+    writer = jax.process_index() == 0
+    if writer:
+        root.mkdir(parents=True, exist_ok=True)
+    # Shapes and dtypes first, from the abstract tree: each shard's header is written before its data.
+    names: list[str] = []
+
+    def arrays(tree: Params) -> list[Any]:
+        named = list(tensors_of(tree))
+        names[:] = [name for name, _ in named]
+        return [array for _, array in named]
+
+    shapes = jax.eval_shape(arrays, tree)  # (fills `names`)
+    abstract = dict(zip(names, shapes, strict=True))
+    shards = _plan_shards([(name, abstract[name]) for name in names], max_shard_bytes)
+    tensors = tensors_of(tree)
+    weight_map: dict[str, str] = {}
+    for index, shard in enumerate(shards):
+        file = (
+            f"{stem}.safetensors"
+            if len(shards) == 1
+            else f"{stem}-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
+        handle = (root / file).open("wb") if writer else None
+        try:
+            if handle is not None:
+                handle.write(_header([(name, abstract[name]) for name in shard]))
+            for name in shard:
+                got, array = next(tensors)
+                assert got == name
+                host = _gathered(array)
+                if handle is not None:
+                    handle.write(np.ascontiguousarray(host).tobytes())
+                weight_map[name] = file
+        finally:
+            if handle is not None:
+                handle.close()
+    if writer and len(shards) > 1:
+        total = sum(_nbytes(abstract[name]) for name in names)
+        index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _write_json(root / f"{stem}.safetensors.index.json", index_json)
+    return np.dtype(abstract[names[0]].dtype)
 
 
 def _write_tokenizer(root: epath.Path, tokenizer: Tokenizer) -> None:
@@ -254,12 +343,16 @@ def _gathered(array: Any) -> np.ndarray:
     return np.asarray(array)
 
 
-def _plan_shards(tensors: list[tuple[str, Any]], max_bytes: int) -> list[list[str]]:
+def _nbytes(leaf: Any) -> int:
+    return math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+
+
+def _plan_shards(tensors: list[tuple[str, Any]], max_bytes: int | None) -> list[list[str]]:
     shards: list[list[str]] = [[]]
     size = 0
     for name, leaf in tensors:
-        nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
-        if shards[-1] and size + nbytes > max_bytes:
+        nbytes = _nbytes(leaf)
+        if shards[-1] and max_bytes is not None and size + nbytes > max_bytes:
             shards.append([])
             size = 0
         shards[-1].append(name)
@@ -272,10 +365,9 @@ def _header(tensors: list[tuple[str, Any]]) -> bytes:
     entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, leaf in tensors:
-        dtype = np.dtype(leaf.dtype)
-        nbytes = math.prod(leaf.shape) * dtype.itemsize
+        nbytes = _nbytes(leaf)
         entries[name] = {
-            "dtype": _SAFETENSORS_DTYPES[dtype.name],
+            "dtype": _SAFETENSORS_DTYPES[np.dtype(leaf.dtype).name],
             "shape": list(leaf.shape),
             "data_offsets": [offset, offset + nbytes],
         }

@@ -54,7 +54,7 @@ from worker.data import (
     TrainData,
     load_train_data,
 )
-from worker.hf_export import export_hf
+from worker.hf_export import export_hf, export_hf_adapter, hub_model_id
 from worker.protocol import (
     CheckpointReport,
     DataReport,
@@ -867,26 +867,40 @@ class _Run:
         exported: dict[str, str] = {}
         # Exported in the compute dtype, as the official checkpoints are.
         cast = jax.jit(lambda tree: jax.tree.map(lambda x: x.astype(self.model.compute_dtype), tree))
-        weights = state["params"]  # (the whole network's: a LoRA job's with its adapter merged in)
-        if method.type == "lora":
+        weights = None  # (the whole network's, cast: a LoRA job's with its adapter merged in)
+        if method.type == "full":
+            weights = cast(state["params"])
+        else:
             export_params(cast(state["params"]), join(final, "adapter"))
             exported["adapter"] = join(final, "adapter")
-            merge = method.export_merged or method.export_hf
-            weights = jax.jit(gemma.merge_lora)(frozen, state["params"]) if merge else None
+            if method.export_merged or method.export_hf:
+                weights = cast(jax.jit(gemma.merge_lora)(frozen, state["params"]))
         if method.type == "full" or method.export_merged:
-            export_params(cast(weights), join(final, "params"))
+            export_params(weights, join(final, "params"))
             exported["params"] = join(final, "params")
         if method.export_hf:
+            assert weights is not None
             self.status("exporting the weights as a Hugging Face model", "exporting", step=step)
             hf_model = join(final, "hf")
             export_hf(
-                cast(weights),
+                weights,
                 hf_model,
                 config=self.model.base.config,
                 model_name=self.spec.model,
                 tokenizer=self.tokenizer,
             )
             exported["hf"] = hf_model
+            if method.type == "lora":  # (and the adapter alone, for PEFT or vLLM's LoRA serving)
+                hf_adapter = join(final, "hf_adapter")
+                export_hf_adapter(
+                    cast(state["params"]),
+                    hf_adapter,
+                    config=self.model.base.config,
+                    base_model=hub_model_id(self.spec.model)
+                    if self.spec.base_checkpoint_uri is None
+                    else None,
+                )
+                exported["hf_adapter"] = hf_adapter
         if jax.process_index() == 0:
             write_json(
                 join(final, "export.json"),

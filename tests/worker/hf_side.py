@@ -4,7 +4,8 @@ load an LLVM, and the two cannot share a process.
 `python hf_side.py REQUEST.json RESULT_DIR`; the request names the exported model's directory (`model`) and
 what to compute with transformers (offline: nothing is downloaded):
 - `config`: the config as transformers reads it (`rope_parameters`, `layer_types`, ...);
-- `tokens` (an `.npy` of token ids, batch x length): `logits.npy` of `Gemma3ForCausalLM` from the directory;
+- `tokens` (an `.npy` of token ids, batch x length): `logits.npy` of `Gemma3ForCausalLM` from the directory
+  (with `adapter`, a PEFT adapter's directory: of that model with the adapter, `peft.PeftModel`);
 - `texts`: each text's ids by `AutoTokenizer` (with its bos), and `chats`: each conversation's ids through
   the tokenizer's chat template (`apply_chat_template`).
 """
@@ -36,6 +37,10 @@ def main(request_path: str, result_dir: str) -> None:
         from transformers import Gemma3ForCausalLM
 
         model = Gemma3ForCausalLM.from_pretrained(model_dir)
+        if request.get("adapter"):
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, request["adapter"])
         model.eval()
         result["dtype"] = str(model.dtype)
         with torch.no_grad():

@@ -18,7 +18,7 @@ from tests.worker.conftest import TINY_VOCAB_SIZE
 from tests.worker.helpers import run_hf
 from worker import model as gemma
 from worker.data import Message, encode_documents
-from worker.hf_export import export_hf, hf_config
+from worker.hf_export import export_hf, export_hf_adapter, hf_config, hub_model_id
 from worker.tokenizer import Tokenizer
 
 CHAT = (
@@ -67,6 +67,43 @@ def test_transformers_computes_what_gemma_computes(tmp_path: Path, tiny_tokenize
     np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=1e-4)
     assert result["texts"] == [[tiny_tokenizer.bos_id, *tiny_tokenizer.encode(text)]]
     assert result["config"]["layer_types"] == ["sliding_attention", "full_attention"]
+
+
+def test_a_lora_adapter_as_peft_computes_what_gemma_lora_computes(
+    tmp_path: Path, tiny_tokenizer: Tokenizer
+) -> None:
+    """A LoRA adapter exported for PEFT, on the base exported for transformers, computes what the gemma
+    LoRA network computes; every adapter weight random (a fresh one's `b` is zero, and would hide a
+    mistake)."""
+    lora_model = gemma.build_model(
+        "tiny", TINY_VOCAB_SIZE, lora_rank=3, param_dtype=jnp.float32, compute_dtype=jnp.float32
+    )
+    config = lora_model.base.config
+    base = _random_params(config, 2)
+    adapter = jax.tree.map(
+        lambda leaf: 0.3 * jax.random.normal(jax.random.key(leaf.size), leaf.shape),
+        lora_model.init_lora(0, None),
+    )
+    export_hf(base, str(tmp_path / "base"), config=config, model_name="tiny", tokenizer=tiny_tokenizer)
+    export_hf_adapter(adapter, str(tmp_path / "adapter"), config=config, base_model=None)
+    settings = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (settings["r"], settings["lora_alpha"], settings["peft_type"]) == (3, 3, "LORA")
+
+    tokens = np.random.default_rng(1).integers(4, TINY_VOCAB_SIZE, size=(2, 40), dtype=np.int32)
+    segments, positions = np.ones_like(tokens), np.broadcast_to(np.arange(40, dtype=np.int32), tokens.shape)
+    expected = gemma.forward(lora_model, adapter, base, tokens, segments, positions)
+    _, logits = run_hf(tmp_path / "base", tmp_path / "side", tokens=tokens, adapter=tmp_path / "adapter")
+    np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=1e-4)
+    # (and the adapter changed them: a mapping that dropped it would not pass)
+    plain = gm.nn.Transformer(config=config, dtype=jnp.float32).apply({"params": base}, tokens).logits
+    assert np.abs(np.asarray(plain) - np.asarray(expected)).max() > 0.1
+
+
+def test_hub_ids_of_the_official_weights() -> None:
+    assert hub_model_id("gemma3-270m-pt") == "google/gemma-3-270m"
+    assert hub_model_id("gemma3-270m-it") == "google/gemma-3-270m-it"
+    assert hub_model_id("gemma3-1b-pt") == "google/gemma-3-1b-pt"
+    assert hub_model_id("gemma3-4b-it") is None and hub_model_id("tiny") is None
 
 
 def test_chat_template_lays_out_turns_as_the_trainer_does(tmp_path: Path, tiny_tokenizer: Tokenizer) -> None:

@@ -176,6 +176,10 @@ def test_lora_on_a_trained_base_trains_only_the_adapter(
     # export_hf: the same weights as a Hugging Face model, which transformers runs to the same logits.
     export = json.loads((tmp_path / "out" / "final" / "export.json").read_text())
     assert export["hf"] == str(tmp_path / "out" / "final" / "hf")
+    # and the adapter alone for PEFT, not tied to a Hugging Face id: its base is a run's, not the official
+    peft = json.loads((tmp_path / "out" / "final" / "hf_adapter" / "adapter_config.json").read_text())
+    assert export["hf_adapter"] == str(tmp_path / "out" / "final" / "hf_adapter")
+    assert (peft["r"], peft["base_model_name_or_path"]) == (4, None)
     _, logits = run_hf(Path(export["hf"]), tmp_path / "hf-side", tokens=tokens)
     expected = plain.base.apply({"params": merged}, tokens).logits
     np.testing.assert_allclose(logits, expected, atol=2e-4, rtol=1e-4)
