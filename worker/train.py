@@ -871,7 +871,8 @@ class _Run:
         if method.type == "full":
             weights = cast(state["params"])
         else:
-            export_params(cast(state["params"]), join(final, "adapter"))
+            adapter = cast(state["params"])
+            export_params(adapter, join(final, "adapter"))
             exported["adapter"] = join(final, "adapter")
             if method.export_merged or method.export_hf:
                 weights = cast(jax.jit(gemma.merge_lora)(frozen, state["params"]))
@@ -892,13 +893,12 @@ class _Run:
             exported["hf"] = hf_model
             if method.type == "lora":  # (and the adapter alone, for PEFT or vLLM's LoRA serving)
                 hf_adapter = join(final, "hf_adapter")
+                official = self.spec.base_checkpoint_uri is None and self.spec.adapter_uri is None
                 export_hf_adapter(
-                    cast(state["params"]),
+                    adapter,
                     hf_adapter,
                     config=self.model.base.config,
-                    base_model=hub_model_id(self.spec.model)
-                    if self.spec.base_checkpoint_uri is None
-                    else None,
+                    base_model=hub_model_id(self.spec.model) if official else None,
                 )
                 exported["hf_adapter"] = hf_adapter
         if jax.process_index() == 0:
