@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -190,11 +190,9 @@ def hub_model_id(model_name: str) -> str | None:
     if len(parts) != 3 or parts[1] not in ("270m", "1b"):
         return None
     _, size, kind = parts
-    return (
-        f"google/gemma-3-270m{'-it' if kind == 'it' else ''}"
-        if size == "270m"
-        else f"google/gemma-3-1b-{kind}"
-    )
+    if size == "270m":  # (its pretrained one has no suffix)
+        return "google/gemma-3-270m-it" if kind == "it" else "google/gemma-3-270m"
+    return f"google/gemma-3-1b-{kind}"
 
 
 PEFT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -259,7 +257,11 @@ def export_hf_adapter(
 
 
 def _write_weights(
-    root: epath.Path, stem: str, tensors_of: Any, tree: Params, max_shard_bytes: int | None
+    root: epath.Path,
+    stem: str,
+    tensors_of: Callable[[Params], Iterator[tuple[str, Any]]],
+    tree: Params,
+    max_shard_bytes: int | None,
 ) -> np.dtype:
     """Write the arrays `tensors_of(tree)` yields as `{stem}.safetensors`, or in shards of at most
     `max_shard_bytes` with `{stem}.safetensors.index.json`; returns their dtype. Each array is gathered to
