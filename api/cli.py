@@ -120,6 +120,8 @@ def _print_job(job: dict[str, Any]) -> None:
     if line := data_line(job):
         print(f"  {line}")
     print(f"  output: {job['output_uri']}{exported_note(job)}")
+    if line := hf_line(job):
+        print(f"  {line}")
     if job.get("checkpoint_uri"):
         print(f"  latest checkpoint: {job['checkpoint_uri']}")
 
@@ -130,6 +132,15 @@ def exported_note(job: dict[str, Any]) -> str:
     if exported is None or exported == job["progress"]["step"]:
         return ""
     return f" (the weights of step {exported}, of the lowest eval loss)"
+
+
+def hf_line(job: dict[str, Any]) -> str | None:
+    """Where a job that succeeded with `export_hf` put its Hugging Face model (and a LoRA job's adapter)."""
+    exports = job.get("exports") or {}
+    if not exports.get("hf"):
+        return None
+    adapter = f" (adapter for PEFT: {exports['hf_adapter']})" if exports.get("hf_adapter") else ""
+    return f"Hugging Face model: {exports['hf']}{adapter}"
 
 
 def interruptions_line(job: dict[str, Any]) -> str | None:

@@ -139,7 +139,7 @@ class NewJob:
             f'"usage":{{"chips":{tpu.chips_of(self.spec.resources, row["executor"])},'
             f'"chip_unit":{text(tpu.chip_unit(row["executor"]))},"held_seconds":0.0,"chip_hours":0.0}},'
             '"error":null,'
-            f'"output_uri":{text(row["output_uri"])},"exported_step":null,'
+            f'"output_uri":{text(row["output_uri"])},"exported_step":null,"exports":null,'
             f'"checkpoint_uri":null,"metadata":{_json(self.spec.metadata)},"spec":{self.spec_json}}}'
         )
 

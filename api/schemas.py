@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api import tpu
 from api.models import Job, JobEvent, as_utc, job_spec, utcnow
+from api.states import JobStatus
 from worker.config import JobSpec
 from worker.protocol import DataFigures
 
@@ -111,6 +112,35 @@ class JobError(BaseModel):
     message: str
 
 
+class JobExports(BaseModel):
+    """Where a job that succeeded left its weights, by what its spec asked for."""
+
+    uri: str = Field(description="`{output_uri}/final`: all of them, and `export.json` (which step, ...).")
+    params: str | None = Field(
+        description="The whole model's weights (orbax, `gm.ckpts.load_params`): a full fine-tune's, or a "
+        "LoRA job's with `method.export_merged`."
+    )
+    adapter: str | None = Field(description="LoRA: the adapter alone (orbax; a later job's `adapter_uri`).")
+    hf: str | None = Field(
+        description="With `method.export_hf`: a Hugging Face `Gemma3ForCausalLM` (safetensors, config, "
+        "tokenizer), a LoRA job's with the adapter merged in."
+    )
+    hf_adapter: str | None = Field(description="LoRA with `method.export_hf`: the adapter for PEFT.")
+
+    @classmethod
+    def of(cls, output_uri: str, spec: JobSpec) -> JobExports:
+        final = f"{output_uri.rstrip('/')}/final"
+        method = spec.method
+        lora = method.type == "lora"
+        return cls.model_construct(
+            uri=final,
+            params=f"{final}/params" if not lora or method.export_merged else None,
+            adapter=f"{final}/adapter" if lora else None,
+            hf=f"{final}/hf" if method.export_hf else None,
+            hf_adapter=f"{final}/hf_adapter" if lora and method.export_hf else None,
+        )
+
+
 class JobPublic(BaseModel):
     id: str
     object: str = "fine_tuning.job"
@@ -163,6 +193,9 @@ class JobPublic(BaseModel):
     exported_step: int | None = Field(
         description="Of a job that succeeded: the step whose weights its export (`output_uri`/final) holds, "
         "its last or, with `hyperparameters.export_best`, the one of its lowest eval loss; else null."
+    )
+    exports: JobExports | None = Field(
+        description="Of a job that succeeded: where its weights are; else null."
     )
     checkpoint_uri: str | None
     metadata: dict[str, str]
@@ -219,6 +252,7 @@ class JobPublic(BaseModel):
             ),
             output_uri=job.output_uri,
             exported_step=job.exported_step,
+            exports=JobExports.of(job.output_uri, spec) if job.status == JobStatus.succeeded else None,
             checkpoint_uri=job.checkpoint_uri,
             metadata=spec.metadata,
             spec=spec,

@@ -611,6 +611,37 @@ def test_a_long_queue_places_its_jobs_from_one_read_a_second(client: TestClient,
     assert placed()[-1] == 1 and len(reads) == 7
 
 
+def test_a_job_that_succeeded_says_where_its_weights_are(client: TestClient, dataset: Path) -> None:
+    """`exports`: by its method, once it succeeded (null before, and for a job that ended otherwise)."""
+    expected = {
+        "full": {"params": "params"},
+        "lora": {"adapter": "adapter"},
+        "merged": {"params": "params", "adapter": "adapter"},
+        "full_hf": {"params": "params", "hf": "hf"},
+        "lora_hf": {"adapter": "adapter", "hf": "hf", "hf_adapter": "hf_adapter"},
+    }
+    methods = {
+        "full": {"type": "full"},
+        "lora": {"type": "lora"},
+        "merged": {"type": "lora", "export_merged": True},
+        "full_hf": {"type": "full", "export_hf": True},
+        "lora_hf": {"type": "lora", "export_hf": True},
+    }
+    for name, method in methods.items():
+        job = client.post("/jobs", json=job_body(dataset, method=method)).json()
+        assert job["exports"] is None
+        _finish(client, job["id"], "failed")
+        assert client.get(f"/jobs/{job['id']}").json()["exports"] is None
+        _finish(client, job["id"])
+        shown = client.get(f"/jobs/{job['id']}").json()["exports"]
+        final = f"{job['output_uri']}/final"
+        none = dict.fromkeys(("params", "adapter", "hf", "hf_adapter"))
+        paths = {key: f"{final}/{path}" for key, path in expected[name].items()}
+        assert shown == {"uri": final, **none, **paths}, name
+        listed = client.get("/jobs", params={"limit": 1}).json()["data"][0]
+        assert listed["id"] == job["id"] and listed["exports"] == shown
+
+
 def test_a_job_starts_from_the_weights_of_one_that_succeeded(client: TestClient, dataset: Path) -> None:
     tokenizer = dataset.parent / "tokenizer.model"
     first = client.post("/jobs", json=job_body(dataset, tokenizer_uri=str(tokenizer))).json()

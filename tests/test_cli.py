@@ -17,6 +17,7 @@ from sqlmodel import Session, select
 from api.cli import (
     data_line,
     exported_note,
+    hf_line,
     interruptions_line,
     main,
     progress_line,
@@ -367,6 +368,16 @@ def test_progress_line(job: dict, expected: str) -> None:
 )
 def test_exported_note(exported: int | None, expected: str) -> None:
     assert exported_note({"exported_step": exported, "progress": {"step": 40}}) == expected
+
+
+def test_hf_line() -> None:
+    assert hf_line({"exports": None}) is None  # (not succeeded)
+    assert hf_line({"exports": {"uri": "/o/final", "params": "/o/final/params", "hf": None}}) is None
+    full = {"hf": "/o/final/hf", "hf_adapter": None}
+    assert hf_line({"exports": full}) == "Hugging Face model: /o/final/hf"
+    assert hf_line({"exports": {"hf": "/o/final/hf", "hf_adapter": "/o/final/hf_adapter"}}) == (
+        "Hugging Face model: /o/final/hf (adapter for PEFT: /o/final/hf_adapter)"
+    )
 
 
 @pytest.mark.parametrize(

@@ -478,6 +478,33 @@ def test_an_ended_job_is_deleted_from_its_page(
     tab.assert_clean()
 
 
+def test_a_succeeded_job_shows_its_hugging_face_model(
+    live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    api = live_api(dispatcher_enabled=False)
+    ids = []
+    for method in ({"type": "lora", "export_hf": True}, {"type": "full"}):
+        with api.client() as http:
+            body = {"name": "hf", "model": "tiny", "dataset_uri": str(dataset), "method": method}
+            response = http.post("/jobs", json=body)
+        assert response.status_code == 201, response.text
+        ids.append(response.json()["id"])
+        engine = api.server.config.app.state.engine  # type: ignore[union-attr]
+        with Session(engine) as session:
+            job = session.exec(select(Job).where(Job.id == ids[-1])).one()
+            for status in (JobStatus.starting, JobStatus.running, JobStatus.succeeded):
+                transition(session, job, status)
+            session.commit()
+    with api.client() as http:
+        final = http.get(f"/jobs/{ids[0]}").json()["exports"]["uri"]
+    tab = open_tab(api, f"/ui/jobs/{ids[0]}")
+    expect(tab.page.locator("#f-hf")).to_have_text(f"{final}/hf (adapter for PEFT: {final}/hf_adapter)")
+    tab.page.goto(f"{api.url}/ui/jobs/{ids[1]}")
+    expect(tab.page.locator("#status")).to_have_text("succeeded")
+    expect(tab.page.locator("#f-hf")).to_have_text("—")
+    tab.assert_clean()
+
+
 def test_pause_and_resume_buttons(
     live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
 ) -> None:

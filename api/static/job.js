@@ -120,6 +120,13 @@ function showJob(next) {
   $("f-finished").textContent = formatDate(job.finished_at);
   $("f-output").textContent = job.output_uri;
   $("f-exported").textContent = formatExported(job);
+  $("f-hf").textContent = formatHf(job.exports);
+}
+
+// The Hugging Face model's path, and a LoRA job's PEFT adapter; "—" without one (or before it succeeded).
+function formatHf(exports) {
+  if (!exports || !exports.hf) return "—";
+  return exports.hf_adapter ? `${exports.hf} (adapter for PEFT: ${exports.hf_adapter})` : exports.hf;
 }
 
 // "step 12 (the last)", or with export_best "step 4 (the lowest eval loss)"; "—" before it succeeded.
