@@ -303,7 +303,8 @@ class JobSpec(_Strict):
     base_checkpoint_uri: Uri | None = Field(
         default=None,
         description="The base weights: an orbax checkpoint dir of params, a tputune checkpoint of a full "
-        "fine-tune (`…/checkpoints/<step>`) or a `.gguf` file; default: the official ones.",
+        "fine-tune (`…/checkpoints/<step>`), a `.gguf` file or a Hugging Face model directory (`config.json` "
+        "and safetensors); default: the official ones.",
     )
     adapter_uri: Uri | None = Field(
         default=None,

@@ -22,6 +22,7 @@ from flax import linen as nn
 from gemma import gm, peft
 
 from worker.config import TINY_MODEL, JobSpec
+from worker.hf import HfImportError, is_hf_model, load_hf_params
 
 Params = dict[str, Any]
 
@@ -158,8 +159,9 @@ def build_model(
 
 
 def load_base_params(spec: JobSpec, model: Model, sharding: Any, cache_dir: Path | None = None) -> Params:
-    """The base weights (official checkpoint, the user's orbax checkpoint, a full fine-tune's checkpoint or a
-    GGUF file), sharded; with `adapter_uri`, that LoRA adapter folded into them."""
+    """The base weights (official checkpoint, the user's orbax checkpoint, a full fine-tune's checkpoint, a
+    Hugging Face model directory or a GGUF file), sharded; with `adapter_uri`, that LoRA adapter folded
+    into them."""
     params = _base_params(spec, model, sharding, cache_dir)
     if spec.adapter_uri is not None:
         params = fold_adapter(params, spec.adapter_uri, sharding, model)
@@ -251,6 +253,11 @@ def _base_params(spec: JobSpec, model: Model, sharding: Any, cache_dir: Path | N
         return _load_orbax(official_checkpoint(model.name), sharding, model)
     if not epath.Path(uri).exists():
         raise ModelError("base_checkpoint_not_found", f"there is no checkpoint at {uri}")
+    if is_hf_model(uri):
+        try:
+            return put_global(load_hf_params(uri, model.base.config, dtype), sharding)
+        except HfImportError as error:
+            raise ModelError("bad_base_checkpoint", str(error)) from error
     try:
         if is_run_checkpoint(uri):
             return _full_run_params(uri, _target(model, sharding))

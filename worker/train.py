@@ -54,7 +54,7 @@ from worker.data import (
     TrainData,
     load_train_data,
 )
-from worker.hf_export import export_hf, export_hf_adapter, hub_model_id
+from worker.hf import export_hf, export_hf_adapter, hf_tokenizer, hub_model_id
 from worker.protocol import (
     CheckpointReport,
     DataReport,
@@ -322,8 +322,11 @@ def make_eval_step(model: gemma.Model, accumulation: int) -> Callable:
 
 def load_tokenizer(spec: JobSpec, options: RunOptions) -> Tokenizer:
     """The job's tokenizer: `tokenizer_uri` (a SentencePiece model, or a GGUF file's), else the GGUF base
-    weights' own, else the official Gemma 3 one."""
+    weights' own or a Hugging Face base model's (its `tokenizer.model`), else the official Gemma 3 one."""
     uri = spec.tokenizer_uri
+    base = spec.base_checkpoint_uri
+    if uri is None and base is not None and not base.endswith(".gguf"):
+        uri = hf_tokenizer(base)
     gguf = uri if uri is not None and uri.endswith(".gguf") else None
     if uri is None and spec.base_checkpoint_uri is not None and spec.base_checkpoint_uri.endswith(".gguf"):
         gguf = spec.base_checkpoint_uri

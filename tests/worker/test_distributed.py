@@ -29,7 +29,7 @@ from tests.worker.helpers import (
 from worker import model as gemma
 from worker import train
 from worker.config import EXIT_OK
-from worker.hf_export import hf_tensors
+from worker.hf import hf_tensors
 
 STEPS = 6
 

@@ -29,7 +29,7 @@ from worker.gguf_import import (
     gguf_tokenizer_model,
     load_gguf_params,
 )
-from worker.hf_export import export_hf
+from worker.hf import export_hf, load_hf_params
 from worker.tokenizer import Tokenizer
 from worker.train import RunOptions, load_tokenizer
 
@@ -172,6 +172,9 @@ def test_hugging_face_export_of_the_real_model(imported: Imported, tmp_path: Pat
     model = gm.nn.Gemma3_270M()
     export_hf(params, str(out), config=model.config, model_name="gemma3-270m-it", tokenizer=tokenizer)
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [1, 106]
+    # (and read back as base weights: the same bits)
+    back = load_hf_params(str(out), model.config, jnp.bfloat16)
+    jax.tree.map(np.testing.assert_array_equal, back, jax.device_get(params))
 
     rows = [[tokenizer.bos_id, *tokenizer.encode(paragraph)] for paragraph in PARAGRAPHS]
     tokens = np.zeros((len(rows), max(map(len, rows))), np.int32)  # (pad 0 after each row: causal)

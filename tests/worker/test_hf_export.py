@@ -1,4 +1,4 @@
-"""The Hugging Face export (`worker/hf_export.py`): what transformers loads from it computes what the gemma
+"""The Hugging Face export (`worker/hf.py`): what transformers loads from it computes what the gemma
 network computes, its tokenizer and chat template give the ids the trainer gives, and its config describes
 each Gemma 3 size as the official configs do. transformers runs in a process of its own (`run_hf`)."""
 
@@ -13,12 +13,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gemma import gm
+from safetensors.numpy import load_file, save_file
 
 from tests.worker.conftest import TINY_VOCAB_SIZE
 from tests.worker.helpers import run_hf
 from worker import model as gemma
 from worker.data import Message, encode_documents
-from worker.hf_export import export_hf, export_hf_adapter, hf_config, hub_model_id
+from worker.hf import (
+    HfImportError,
+    export_hf,
+    export_hf_adapter,
+    hf_config,
+    hf_tokenizer,
+    hub_model_id,
+    is_hf_model,
+    load_hf_params,
+)
 from worker.tokenizer import Tokenizer
 
 CHAT = (
@@ -104,6 +114,47 @@ def test_hub_ids_of_the_official_weights() -> None:
     assert hub_model_id("gemma3-270m-it") == "google/gemma-3-270m-it"
     assert hub_model_id("gemma3-1b-pt") == "google/gemma-3-1b-pt"
     assert hub_model_id("gemma3-4b-it") is None and hub_model_id("tiny") is None
+
+
+def test_a_hugging_face_model_is_read_back_as_it_was_exported(
+    tmp_path: Path, tiny_tokenizer: Tokenizer
+) -> None:
+    """load_hf_params undoes export_hf exactly (shards too); a multimodal checkpoint's text model (its
+    layers under `model.language_model.`, the config's under `text_config`) is read as well; what is
+    missing is named."""
+    config = gemma.tiny_config(TINY_VOCAB_SIZE)
+    params = _random_params(config, 3)
+    out = tmp_path / "hf"
+    export_hf(
+        params, str(out), config=config, model_name="tiny", tokenizer=tiny_tokenizer, max_shard_bytes=300_000
+    )
+    read = load_hf_params(str(out), config, jnp.float32)
+    jax.tree.map(np.testing.assert_array_equal, read, jax.device_get(params))
+    assert is_hf_model(str(out)) and hf_tokenizer(str(out)) == str(out / "tokenizer.model")
+
+    multimodal = tmp_path / "multimodal"
+    multimodal.mkdir()
+    weights = {}
+    for shard in out.glob("model-*.safetensors"):
+        weights |= load_file(shard)
+    renamed = {name.replace("model.", "model.language_model.", 1): array for name, array in weights.items()}
+    save_file(
+        {**renamed, "model.vision_tower.patch.weight": np.zeros(4, np.float32)},
+        multimodal / "model.safetensors",
+    )
+    settings = json.loads((out / "config.json").read_text())
+    (multimodal / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": settings}))
+    jax.tree.map(np.testing.assert_array_equal, load_hf_params(str(multimodal), config, jnp.float32), read)
+
+    del renamed["model.language_model.layers.1.mlp.up_proj.weight"]
+    save_file(renamed, multimodal / "model.safetensors")
+    with pytest.raises(
+        HfImportError, match=r"lacks the weight model\.language_model\.layers\.1\.mlp\.up_proj"
+    ):
+        load_hf_params(str(multimodal), config, jnp.float32)
+    (multimodal / "model.safetensors").unlink()
+    with pytest.raises(HfImportError, match=r"has no model\.safetensors"):
+        load_hf_params(str(multimodal), config, jnp.float32)
 
 
 def test_chat_template_lays_out_turns_as_the_trainer_does(tmp_path: Path, tiny_tokenizer: Tokenizer) -> None:

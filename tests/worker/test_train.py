@@ -31,6 +31,7 @@ from worker import train
 from worker.checkpoint import export_params
 from worker.config import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, Hyperparameters, JobSpec
 from worker.data import TrainData, read_documents
+from worker.hf import export_hf
 from worker.stories import write_txt
 from worker.tokenizer import Tokenizer
 
@@ -209,6 +210,44 @@ def test_a_run_starts_from_another_runs_checkpoint(
     assert train.run(config, recorder, TEST_OPTIONS) == EXIT_OK
     before = losses(full_run[1].reports)
     assert losses(recorder.reports)[1] < before[1] - 0.5 * (before[1] - before[6])
+
+
+def test_a_run_starts_from_a_hugging_face_model(
+    tmp_path: Path, story_corpus: Path, tiny_tokenizer_path: Path, full_run: tuple[Path, Recorder]
+) -> None:
+    """A Hugging Face model directory (here a run's weights exported as one) as base_checkpoint_uri: exactly
+    those weights, its tokenizer.model the job's tokenizer, and a run from them starts at that run's loss."""
+    trained = saved_params(full_run[0] / "final" / "params")
+    model = gemma.build_model(
+        "tiny", 1000, lora_rank=None, param_dtype=jnp.float32, compute_dtype=jnp.float32
+    )
+    hf_dir = tmp_path / "hf"
+    export_hf(
+        trained,
+        str(hf_dir),
+        config=model.base.config,
+        model_name="tiny",
+        tokenizer=Tokenizer.load(tiny_tokenizer_path),
+        max_shard_bytes=300_000,
+    )
+    spec = {"base_checkpoint_uri": str(hf_dir), "tokenizer_uri": None}
+    config = tiny_config(tmp_path / "out", story_corpus, tiny_tokenizer_path, spec=spec, max_steps=2)
+    assert train.load_tokenizer(config.spec, TEST_OPTIONS).processor.serialized_model_proto() == (
+        tiny_tokenizer_path.read_bytes()
+    )
+    shardings = train.tree_shardings(train.make_mesh(1), model.abstract_params()[0])
+    assert same_arrays(gemma.load_base_params(config.spec, model, shardings), trained)
+    recorder = Recorder()
+    assert train.run(config, recorder, TEST_OPTIONS) == EXIT_OK
+    before = losses(full_run[1].reports)
+    assert losses(recorder.reports)[1] < before[1] - 0.5 * (before[1] - before[12])
+    # Another size's config: refused with what does not fit.
+    settings = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**settings, "num_hidden_layers": 3}))
+    with pytest.raises(gemma.ModelError) as refused:
+        gemma.load_base_params(config.spec, model, shardings)
+    assert refused.value.code == "bad_base_checkpoint"
+    assert refused.value.message == f"{hf_dir}/config.json has num_hidden_layers 3, where this model has 2"
 
 
 def test_an_adapter_is_folded_into_its_base(

@@ -1,5 +1,7 @@
-"""Fine-tuned weights as a Hugging Face model: `Gemma3ForCausalLM` in safetensors, with its config and
-tokenizer, for `transformers`, vLLM and the tools that read that layout (and convert it: llama.cpp).
+"""Gemma 3 weights in the Hugging Face layout: fine-tuned weights exported as `Gemma3ForCausalLM` in
+safetensors, with its config and tokenizer, for `transformers`, vLLM and the tools that read that layout
+(and convert it: llama.cpp); and such a model (or a multimodal `Gemma3ForConditionalGeneration`'s text
+model) read as base weights.
 
 What `gm.nn.Gemma3_*` and `transformers`' Gemma 3 store differently, and is changed here:
 - each projection is one `(out_features, in_features)` matrix: gemma's `q_einsum` `(heads, embed, head_dim)`
@@ -11,7 +13,8 @@ What `gm.nn.Gemma3_*` and `transformers`' Gemma 3 store differently, and is chan
 - the text model only: the 4B and larger ones are exported as the text model `Gemma3ForCausalLM`.
 
 Each tensor is gathered to the first JAX process (across hosts, one tensor at a time) and written by it, in
-shards of at most `max_shard_bytes`, with `model.safetensors.index.json` when there is more than one.
+shards of at most `max_shard_bytes`, with `model.safetensors.index.json` when there is more than one. Read,
+each tensor is taken from its file by its offsets, one at a time.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ MAX_SHARD_BYTES = 5 * 10**9
 # Gemma 3's context lengths (its model cards): 32K tokens for 270M and 1B, 128K for the larger ones.
 _MAX_POSITIONS = {"270m": 32_768, "1b": 32_768}
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_NUMPY_DTYPES = {code: np.dtype(name) for name, code in _SAFETENSORS_DTYPES.items()}
+# Where a checkpoint keeps the text model's layers: Gemma3ForCausalLM's, and Gemma3ForConditionalGeneration's
+# as transformers 5 and 4 save it (its vision tower and projector are not read).
+_TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 # Gemma's turn format, as the trainer lays out chat data (`worker/data.py`): a system message opens the
@@ -381,3 +388,129 @@ def _header(tensors: list[tuple[str, Any]]) -> bytes:
 
 def _write_json(path: epath.Path, value: dict[str, Any]) -> None:
     path.write_text(json.dumps(value, indent=2) + "\n")
+
+
+class HfImportError(ValueError):
+    """The directory is not a Hugging Face Gemma 3 checkpoint of the job's model."""
+
+
+def is_hf_model(uri: str) -> bool:
+    """Whether `uri` is a Hugging Face model directory (its `config.json`), not an orbax checkpoint."""
+    return (epath.Path(uri) / "config.json").is_file()
+
+
+def hf_tokenizer(uri: str) -> str | None:
+    """The SentencePiece model of the Hugging Face model directory `uri` (`tokenizer.model`), if it is one."""
+    try:
+        if is_hf_model(uri) and (epath.Path(uri) / "tokenizer.model").is_file():
+            return str(epath.Path(uri) / "tokenizer.model")
+    except OSError:  # (the base's own errors are the weights' to report)
+        return None
+    return None
+
+
+def load_hf_params(uri: str, config: gm.nn.config.TransformerConfig, dtype: Any) -> Params:
+    """The gemma params (host arrays in `dtype`) of the Hugging Face Gemma 3 model under `uri`, whose
+    `config.json` must describe the network of `config`. HfImportError says what does not fit."""
+    root = epath.Path(uri)
+    settings = json.loads((root / "config.json").read_text())
+    text = settings.get("text_config") or settings  # (a multimodal checkpoint's text model)
+    expected = {
+        "num_hidden_layers": config.num_layers,
+        "hidden_size": config.embed_dim,
+        "intermediate_size": config.hidden_dim,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+    }
+    for key, value in expected.items():
+        if text.get(key) != value:
+            raise HfImportError(f"{uri}/config.json has {key} {text.get(key)}, where this model has {value}")
+    weights = _read_weights(root)
+    prefix = next(
+        (p for p in _TEXT_PREFIXES if f"{p}embed_tokens.weight" in weights),
+        None,
+    )
+    if prefix is None:
+        raise HfImportError(f"{uri} holds no Gemma 3 text model (no embed_tokens.weight)")
+    heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+
+    def take(name: str) -> np.ndarray:
+        if f"{prefix}{name}" not in weights:
+            raise HfImportError(f"{uri} lacks the weight {prefix}{name}")
+        return np.asarray(weights[f"{prefix}{name}"](), dtype=dtype)
+
+    def heads_last(weight: np.ndarray, count: int) -> np.ndarray:
+        """(count * head_dim, embed) -> (count, embed, head_dim)."""
+        return weight.reshape(count, head_dim, -1).transpose(0, 2, 1)
+
+    params: Params = {
+        "embedder": {"input_embedding": take("embed_tokens.weight")},
+        "final_norm": {"scale": take("norm.weight")},
+    }
+    for layer in range(config.num_layers):
+        name = f"layers.{layer}."
+        gating = np.stack([take(name + "mlp.gate_proj.weight"), take(name + "mlp.up_proj.weight")])
+        params[f"layer_{layer}"] = {
+            "attn": {
+                "q_einsum": {"w": heads_last(take(name + "self_attn.q_proj.weight"), heads)},
+                "kv_einsum": {
+                    "w": np.stack(
+                        [
+                            heads_last(take(name + "self_attn.k_proj.weight"), kv_heads),
+                            heads_last(take(name + "self_attn.v_proj.weight"), kv_heads),
+                        ]
+                    )
+                },
+                "attn_vec_einsum": {
+                    "w": take(name + "self_attn.o_proj.weight").T.reshape(heads, head_dim, -1)
+                },
+                "_query_norm": {"scale": take(name + "self_attn.q_norm.weight")},
+                "_key_norm": {"scale": take(name + "self_attn.k_norm.weight")},
+            },
+            "mlp": {
+                "gating_einsum": gating if config.transpose_gating_einsum else gating.transpose(0, 2, 1),
+                "linear": take(name + "mlp.down_proj.weight").T,
+            },
+            "pre_attention_norm": {"scale": take(name + "input_layernorm.weight")},
+            "post_attention_norm": {"scale": take(name + "post_attention_layernorm.weight")},
+            "pre_ffw_norm": {"scale": take(name + "pre_feedforward_layernorm.weight")},
+            "post_ffw_norm": {"scale": take(name + "post_feedforward_layernorm.weight")},
+        }
+    return params
+
+
+def _read_weights(root: epath.Path) -> dict[str, Callable[[], np.ndarray]]:
+    """Each weight of the model's safetensors files (one, or the shards its index names), by name: a
+    function that reads it (from its file, by its offsets)."""
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (root / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise HfImportError(f"{root} has no model.safetensors (nor model.safetensors.index.json)")
+    weights: dict[str, Callable[[], np.ndarray]] = {}
+    for file in files:
+        path = root / file
+        with path.open("rb") as handle:
+            size = struct.unpack("<Q", handle.read(8))[0]
+            header = json.loads(handle.read(size))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if info["dtype"] not in _NUMPY_DTYPES:
+                raise HfImportError(f"{path}: {name} is {info['dtype']}; float32, bfloat16 or float16 read")
+            weights[name] = _reader(path, 8 + size, info)
+    return weights
+
+
+def _reader(path: epath.Path, data_start: int, info: dict[str, Any]) -> Callable[[], np.ndarray]:
+    def read() -> np.ndarray:
+        begin, end = info["data_offsets"]
+        with path.open("rb") as handle:
+            handle.seek(data_start + begin)
+            data = handle.read(end - begin)
+        return np.frombuffer(data, _NUMPY_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+    return read
