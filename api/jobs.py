@@ -500,20 +500,10 @@ def read_source(engine: Engine, tenant: str, job_id: str, step: int | None) -> S
     row = read_job_row(engine, tenant, job_id)
     if row is None or step is None:
         return Source(row)
-    statement = (
-        sa_select(JobEvent.step, JobEvent.data)  # type: ignore[call-overload]
-        .join(Job, col(Job.seq) == col(JobEvent.job_seq))
-        .where(Job.id == job_id, Job.tenant == tenant, JobEvent.type == "checkpoint")
-        .order_by(col(JobEvent.id))
-    )
     with autocommit_connection(engine) as connection:
-        # (SQLite's JSON as text, where the column's type is not applied)
-        saved = [
-            (at, json.loads(data) if isinstance(data, str) else data)
-            for at, data in connection.execute(statement)
-        ]
-    uri = next((data.get("uri") for at, data in saved if at == step and data), None)
-    kept = _kept_steps([data for _, data in saved])
+        saved = _checkpoint_events(connection, col(Job.id) == job_id, col(Job.tenant) == tenant)
+    uri = next((data.get("uri") for at, _, data in saved if at == step), None)
+    kept = _kept_steps([data for _, _, data in saved])
     gone = uri is not None and (
         (kept is not None and step not in kept) or (not uri.startswith("gs://") and not os.path.isdir(uri))
     )
@@ -1425,6 +1415,22 @@ def saved_log(session: Session, job: Job) -> JobLog | None:
 CHECKPOINT_FIELDS = ("loss", "eval_loss", "accuracy", "eval_accuracy")
 
 
+def _checkpoint_events(connection: Connection, *job: Any) -> list[tuple[int, datetime, dict[str, Any]]]:
+    """The checkpoint events of the job that `job` (conditions on Job) selects, oldest first:
+    (step, when, data)."""
+    statement = (
+        sa_select(JobEvent.step, JobEvent.created_at, JobEvent.data)  # type: ignore[call-overload]
+        .join(Job, col(Job.seq) == col(JobEvent.job_seq))
+        .where(*job, JobEvent.type == "checkpoint")
+        .order_by(col(JobEvent.id))
+    )
+    return [
+        # (SQLite's JSON as text, where the column's type is not applied)
+        (step or 0, at, (json.loads(data) if isinstance(data, str) else data) or {})
+        for step, at, data in connection.execute(statement)
+    ]
+
+
 def _kept_steps(reports: Sequence[dict[str, Any] | None]) -> set[int] | None:
     """The steps of the checkpoints kept, as the last of a job's checkpoint reports (`reports`, oldest
     first) that said so says; None if none did."""
@@ -1435,23 +1441,15 @@ def _kept_steps(reports: Sequence[dict[str, Any] | None]) -> set[int] | None:
 
 
 def checkpoints(session: Session, job: Job) -> list[dict[str, Any]]:
-    rows = session.exec(
-        select(JobEvent)
-        .where(JobEvent.job_seq == job.seq, JobEvent.type == "checkpoint")
-        .order_by(col(JobEvent.step))
-    )
-    events = list(rows)
-    kept = _kept_steps([event.data for event in sorted(events, key=lambda event: event.id or 0)])
-    result = []
-    for event in events:
-        data = event.data or {}
-        result.append(
-            {
-                "step": event.step or 0,
-                "uri": data.get("uri"),
-                "kept": None if kept is None else (event.step or 0) in kept,
-                "created_at": as_utc(event.created_at),
-                "metrics": {k: data.get(k) for k in CHECKPOINT_FIELDS},
-            }
-        )
-    return result
+    events = _checkpoint_events(session.connection(), col(Job.seq) == job.seq)
+    kept = _kept_steps([data for _, _, data in events])
+    return [
+        {
+            "step": step,
+            "uri": data.get("uri"),
+            "kept": None if kept is None else step in kept,
+            "created_at": as_utc(at),
+            "metrics": {k: data.get(k) for k in CHECKPOINT_FIELDS},
+        }
+        for step, at, data in sorted(events, key=lambda event: event[0])  # (by step; stable: by id within)
+    ]
