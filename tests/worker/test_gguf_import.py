@@ -170,10 +170,16 @@ def test_hugging_face_export_of_the_real_model(imported: Imported, tmp_path: Pat
     params = jax.tree.map(lambda leaf: leaf.astype(jnp.bfloat16), imported.params["params"])
     out = tmp_path / "hf"
     model = gm.nn.Gemma3_270M()
+    start = time.perf_counter()
     export_hf(params, str(out), config=model.config, model_name="gemma3-270m-it", tokenizer=tokenizer)
+    exported = time.perf_counter() - start
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [1, 106]
     # (and read back as base weights: the same bits)
+    start = time.perf_counter()
     back = load_hf_params(str(out), model.config, jnp.bfloat16)
+    size = sum(path.stat().st_size for path in out.glob("*.safetensors")) / 1e6
+    read = time.perf_counter() - start
+    print(f"\nHugging Face export: {size:.0f} MB in {exported:.1f} s, read back in {read:.1f} s")
     jax.tree.map(np.testing.assert_array_equal, back, jax.device_get(params))
 
     rows = [[tokenizer.bos_id, *tokenizer.encode(paragraph)] for paragraph in PARAGRAPHS]
