@@ -29,6 +29,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, col, select
 
 from api import tpu
+from api.datasets import gcs_client, split_gs_uri
 from api.db import autocommit_connection, upsert_insert
 from api.errors import ApiError, not_found
 from api.models import IdempotencyKey, Job, JobEvent, JobLog, Tenant, as_utc, job_spec, utcnow
@@ -492,14 +493,21 @@ class Source:
     row: Any | None  # its row (JOB_COLUMNS), within the caller's tenant; None: no such job
     checkpoint_uri: str | None = None  # with `from_step`: the checkpoint it reported at that step
     checkpoint_gone: bool = False  # no longer kept (its worker said so since, or a local one is gone)
+    base_tokenizer: str | None = None  # the tokenizer.model of its base, a Hugging Face model directory
 
 
-def read_source(engine: Engine, tenant: str, job_id: str, step: int | None) -> Source:
+def read_source(
+    engine: Engine, tenant: str, job_id: str, step: int | None, settings: Settings | None = None
+) -> Source:
     """The job `job_id` of `tenant` and, for a `step`, its checkpoint there (on a thread: reads the
-    database, and for a local checkpoint the file system)."""
+    database, for a local checkpoint the file system, and where the job's base weights were a Hugging
+    Face model directory without a tokenizer_uri, whether that directory has its tokenizer)."""
     row = read_job_row(engine, tenant, job_id)
-    if row is None or step is None:
+    if row is None:
         return Source(row)
+    base_tokenizer = _base_tokenizer(job_spec(row), settings)
+    if step is None:
+        return Source(row, base_tokenizer=base_tokenizer)
     with autocommit_connection(engine) as connection:
         saved = _checkpoint_events(connection, col(Job.id) == job_id, col(Job.tenant) == tenant)
     uri = next((data.get("uri") for at, _, data in saved if at == step), None)
@@ -507,7 +515,35 @@ def read_source(engine: Engine, tenant: str, job_id: str, step: int | None) -> S
     gone = uri is not None and (
         (kept is not None and step not in kept) or (not uri.startswith("gs://") and not os.path.isdir(uri))
     )
-    return Source(row, uri, gone)
+    return Source(row, uri, gone, base_tokenizer)
+
+
+def _base_tokenizer(spec: JobSpec, settings: Settings | None) -> str | None:
+    """`{base}/tokenizer.model` where the job's base weights were a Hugging Face model directory holding
+    one and it named no tokenizer (its worker's tokenizer was that file); else None. Storage that does not
+    answer counts as none (the new job then gets the official tokenizer, as before)."""
+    base = spec.base_checkpoint_uri
+    if spec.tokenizer_uri is not None or base is None or base.endswith(".gguf"):
+        return None
+    base = base.rstrip("/")
+    names = (f"{base}/config.json", f"{base}/tokenizer.model")
+    if not base.startswith("gs://"):
+        return names[1] if all(os.path.isfile(name) for name in names) else None
+    if settings is None:
+        return None
+    try:
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        client = gcs_client(settings.gcs_endpoint, settings.gcs_project)
+        timeout = settings.storage_timeout_seconds
+        retry = DEFAULT_RETRY.with_timeout(timeout)  # (the default retries for up to 2 minutes)
+        for name in names:
+            bucket, blob = split_gs_uri(name)
+            if client.bucket(bucket).get_blob(blob, timeout=timeout, retry=retry) is None:
+                return None
+    except Exception:  # (not found, not allowed, not answering)
+        return None
+    return names[1]
 
 
 def resolve_from_job[SpecT: JobSpec](spec: SpecT, source: Source) -> SpecT:
@@ -584,6 +620,8 @@ def resolve_from_job[SpecT: JobSpec](spec: SpecT, source: Source) -> SpecT:
         gguf = made.base_checkpoint_uri
         if made.tokenizer_uri is None and gguf is not None and gguf.endswith(".gguf") and base != gguf:
             update["tokenizer_uri"] = gguf  # (its tokenizer was the GGUF file's; its weights are no more)
+        elif source.base_tokenizer is not None and base != made.base_checkpoint_uri:
+            update["tokenizer_uri"] = source.base_tokenizer  # (a Hugging Face base's own, the same way)
     return spec.model_copy(update=update)
 
 

@@ -703,6 +703,20 @@ def test_a_job_starts_from_the_weights_of_one_that_succeeded(client: TestClient,
         f"{on_gguf['output_uri']}/final/params",
         gguf,
     )
+    # A Hugging Face model directory's weights, without a tokenizer: its tokenizer.model was the job's.
+    hf_dir = dataset.parent / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text("{}")
+    on_hf = client.post("/jobs", json=job_body(dataset, base_checkpoint_uri=str(hf_dir))).json()
+    _finish(client, on_hf["id"])
+    spec = client.post("/jobs", json=job_body(dataset, from_job=on_hf["id"])).json()["spec"]
+    assert spec["tokenizer_uri"] is None  # (that directory has none: the official one, then)
+    (hf_dir / "tokenizer.model").write_bytes(b"sentencepiece")
+    spec = client.post("/jobs", json=job_body(dataset, from_job=on_hf["id"])).json()["spec"]
+    assert (spec["base_checkpoint_uri"], spec["tokenizer_uri"]) == (
+        f"{on_hf['output_uri']}/final/params",
+        str(hf_dir / "tokenizer.model"),
+    )
     # One of its own started so: its adapter was trained on a base and an adapter, one too many.
     twice = client.post("/jobs", json=job_body(dataset, method={"type": "lora"}, from_job=lora["id"])).json()
     _finish(client, twice["id"])

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from api.datasets import DatasetUnavailable, StorageUnreachable, check_dataset
+from api.jobs import _base_tokenizer
 from api.settings import Settings
 
 
@@ -89,3 +90,28 @@ def test_dispatcher_fails_job_whose_gcs_dataset_is_missing(live_api, gcs) -> Non
     job = api.wait_for(missing["id"], lambda j: j["status"] in ("failed", "succeeded"))
     assert job["status"] == "failed" and job["error"]["code"] == "dataset_not_found"
     assert api.wait_for(ok, lambda j: j["status"] in ("failed", "succeeded"))["status"] == "succeeded"
+
+
+def test_a_hugging_face_base_tokenizer_on_gcs(gcs, gcs_settings: Settings, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """from_job of a job whose base was a Hugging Face directory on gs:// (no tokenizer_uri): its
+    tokenizer.model, looked up with the API's storage client; none where the directory lacks one or
+    storage does not answer."""
+    from worker.config import JobSpec
+
+    bucket = gcs.make_bucket("models")
+    bucket.blob("hf/config.json").upload_from_string("{}")
+    spec = JobSpec.model_validate(
+        {
+            "name": "x",
+            "model": "tiny",
+            "dataset_uri": "gs://data/t.txt",
+            "base_checkpoint_uri": "gs://models/hf/",
+        }
+    )
+    assert _base_tokenizer(spec, gcs_settings) is None
+    bucket.blob("hf/tokenizer.model").upload_from_string("sentencepiece")
+    assert _base_tokenizer(spec, gcs_settings) == "gs://models/hf/tokenizer.model"
+    named = spec.model_copy(update={"tokenizer_uri": "gs://models/other.model"})
+    assert _base_tokenizer(named, gcs_settings) is None  # (its own tokenizer was named)
+    away = Settings(data_dir=tmp_path, gcs_endpoint="http://127.0.0.1:9", storage_timeout_seconds=1)
+    assert _base_tokenizer(spec, away) is None

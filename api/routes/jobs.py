@@ -167,8 +167,9 @@ async def create_job(request: Request) -> Response:
         raise RequestValidationError([_KEY_TOO_LONG | {"input": idempotency_key}])
     if spec.from_job is not None:  # (its weights, from a job of the same tenant's: one read, on a thread)
         engine = request.app.state.engine
+        settings = request.app.state.settings
         source = await anyio.to_thread.run_sync(
-            service.read_source, engine, tenant, spec.from_job, spec.from_step
+            service.read_source, engine, tenant, spec.from_job, spec.from_step, settings
         )
         spec = service.resolve_from_job(spec, source)
     # On the event loop: the checks are CPU work (and a kernel lookup of local paths); the write waits for
