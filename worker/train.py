@@ -54,7 +54,7 @@ from worker.data import (
     TrainData,
     load_train_data,
 )
-from worker.hf import export_hf, export_hf_adapter, hf_tokenizer, hub_model_id
+from worker.hf import export_hf, export_hf_adapter, hf_tokenizer, hub_model_id, is_hf_model
 from worker.protocol import (
     CheckpointReport,
     DataReport,
@@ -321,12 +321,20 @@ def make_eval_step(model: gemma.Model, accumulation: int) -> Callable:
 
 
 def load_tokenizer(spec: JobSpec, options: RunOptions) -> Tokenizer:
-    """The job's tokenizer: `tokenizer_uri` (a SentencePiece model, or a GGUF file's), else the GGUF base
-    weights' own or a Hugging Face base model's (its `tokenizer.model`), else the official Gemma 3 one."""
+    """The job's tokenizer: `tokenizer_uri` (a SentencePiece model, a GGUF file's or a Hugging Face model
+    directory's `tokenizer.model`), else the GGUF base weights' own or a Hugging Face base model's, else
+    the official Gemma 3 one."""
     uri = spec.tokenizer_uri
     base = spec.base_checkpoint_uri
     if uri is None and base is not None and not base.endswith(".gguf"):
         uri = hf_tokenizer(base)
+    elif uri is not None and not uri.endswith(".gguf") and is_hf_model(uri):
+        uri = hf_tokenizer(uri)
+        if uri is None:
+            raise gemma.ModelError(
+                "bad_tokenizer",
+                f"{spec.tokenizer_uri} is a Hugging Face model directory without a tokenizer.model",
+            )
     gguf = uri if uri is not None and uri.endswith(".gguf") else None
     if uri is None and spec.base_checkpoint_uri is not None and spec.base_checkpoint_uri.endswith(".gguf"):
         gguf = spec.base_checkpoint_uri

@@ -232,9 +232,10 @@ def test_a_run_starts_from_a_hugging_face_model(
     )
     spec = {"base_checkpoint_uri": str(hf_dir), "tokenizer_uri": None}
     config = tiny_config(tmp_path / "out", story_corpus, tiny_tokenizer_path, spec=spec, max_steps=2)
-    assert train.load_tokenizer(config.spec, TEST_OPTIONS).processor.serialized_model_proto() == (
-        tiny_tokenizer_path.read_bytes()
-    )
+    for tokenizer_uri in (None, str(hf_dir)):  # (its own, or the directory named as tokenizer_uri)
+        spec_now = config.spec.model_copy(update={"tokenizer_uri": tokenizer_uri})
+        tokenizer = train.load_tokenizer(spec_now, TEST_OPTIONS)
+        assert tokenizer.processor.serialized_model_proto() == tiny_tokenizer_path.read_bytes()
     shardings = train.tree_shardings(train.make_mesh(1), model.abstract_params()[0])
     assert same_arrays(gemma.load_base_params(config.spec, model, shardings), trained)
     recorder = Recorder()
@@ -248,6 +249,10 @@ def test_a_run_starts_from_a_hugging_face_model(
         gemma.load_base_params(config.spec, model, shardings)
     assert refused.value.code == "bad_base_checkpoint"
     assert refused.value.message == f"{hf_dir}/config.json has num_hidden_layers 3, where this model has 2"
+    (hf_dir / "tokenizer.model").unlink()
+    with pytest.raises(gemma.ModelError) as refused:
+        train.load_tokenizer(config.spec.model_copy(update={"tokenizer_uri": str(hf_dir)}), TEST_OPTIONS)
+    assert refused.value.code == "bad_tokenizer" and "without a tokenizer.model" in refused.value.message
 
 
 def test_an_adapter_is_folded_into_its_base(
