@@ -65,7 +65,8 @@ def test_real_worker_job_succeeds_with_history_and_checkpoints(  # type: ignore[
     worker_api, story_corpus: Path, tiny_tokenizer_path: Path
 ) -> None:
     api = worker_api()
-    job_id = submit(api, story_corpus, tiny_tokenizer_path, steps=12)
+    method = {"type": "full", "export_hf": True}
+    job_id = submit(api, story_corpus, tiny_tokenizer_path, steps=12, method=method)
     job = api.wait_for(job_id, lambda j: j["status"] in FINAL, timeout=280)
     assert job["status"] == "succeeded", job
     assert job["progress"]["step"] == 12 and job["progress"]["total_steps"] == 12
@@ -95,6 +96,11 @@ def test_real_worker_job_succeeds_with_history_and_checkpoints(  # type: ignore[
         assert Path(checkpoint["uri"]).exists(), checkpoint
     assert {s["data"]["phase"] for s in samples} == {"before", "after"}
     assert (Path(job["output_uri"]) / "final").exists()
+    # Where the job says its weights are, they are (and nothing where it says none).
+    exports = job["exports"]
+    assert Path(exports["params"]).is_dir() and (Path(exports["hf"]) / "model.safetensors").is_file()
+    assert exports["adapter"] is None and exports["hf_adapter"] is None
+    assert sorted(path.name for path in Path(exports["uri"]).iterdir()) == ["export.json", "hf", "params"]
 
     # Another job starts from its weights (its tokenizer too): its loss starts where this one's ended.
     body = {"name": "more", "model": "tiny", "dataset_uri": str(story_corpus), "from_job": job_id}
