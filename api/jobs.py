@@ -33,6 +33,7 @@ from api.datasets import gcs_client, split_gs_uri
 from api.db import autocommit_connection, upsert_insert
 from api.errors import ApiError, not_found
 from api.models import IdempotencyKey, Job, JobEvent, JobLog, Tenant, as_utc, job_spec, utcnow
+from api.schemas import JobExports
 from api.settings import Settings
 from api.states import FINAL, JobStatus, check_transition
 from api.tenants import Limits
@@ -565,7 +566,6 @@ def resolve_from_job[SpecT: JobSpec](spec: SpecT, source: Source) -> SpecT:
         )
     made = job_spec(job)
     lora = made.method.type == "lora"
-    output = job.output_uri.rstrip("/")
     if step is None:
         if job.status != JobStatus.succeeded:
             why = f"job {job_id} is {job.status}; only a job that succeeded has final weights."
@@ -576,9 +576,8 @@ def resolve_from_job[SpecT: JobSpec](spec: SpecT, source: Source) -> SpecT:
                     f" To start from one of its checkpoints, give from_step (GET /jobs/{job_id}/checkpoints)."
                 )
             raise refuse("from_job_not_succeeded", why)
-        weights = (
-            f"{output}/final/adapter" if lora and not made.method.export_merged else f"{output}/final/params"
-        )
+        exports = JobExports.of(job.output_uri, made)  # (as the job shows them)
+        weights = exports.params or exports.adapter
     else:
         if source.checkpoint_uri is None:
             raise refuse(
