@@ -43,7 +43,6 @@ _NUMPY_DTYPES = {code: np.dtype(name) for name, code in _SAFETENSORS_DTYPES.item
 # Where a checkpoint keeps the text model's layers: Gemma3ForCausalLM's, and Gemma3ForConditionalGeneration's
 # as transformers 5 and 4 save it (its vision tower and projector are not read).
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
-_TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 # Gemma's turn format, as the trainer lays out chat data (`worker/data.py`): a system message opens the
 # first user turn; `assistant` is Gemma's `model`.
@@ -88,7 +87,9 @@ def hf_config(
         if config.global_scale_factor == 1.0
         else {"rope_type": "linear", "factor": float(config.global_scale_factor)}
     )
-    torch_dtype = _TORCH_DTYPES[np.dtype(dtype).name]
+    torch_dtype = np.dtype(dtype).name
+    if torch_dtype not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"weights in {torch_dtype} have no Hugging Face export here")
     return {
         "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
