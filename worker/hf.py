@@ -203,6 +203,12 @@ def hub_model_id(model_name: str) -> str | None:
     return f"google/gemma-3-1b-{kind}"
 
 
+def peft_base(model_name: str, base_checkpoint_uri: str | None, adapter_uri: str | None) -> str | None:
+    """A PEFT adapter's `base_model_name_or_path`: the Hub id of the official weights, where a job trained
+    on them (no other base weights, no adapter folded in)."""
+    return hub_model_id(model_name) if base_checkpoint_uri is None and adapter_uri is None else None
+
+
 PEFT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

@@ -54,7 +54,7 @@ from worker.data import (
     TrainData,
     load_train_data,
 )
-from worker.hf import export_hf, export_hf_adapter, hf_tokenizer, hub_model_id, is_hf_model
+from worker.hf import export_hf, export_hf_adapter, hf_tokenizer, is_hf_model, peft_base
 from worker.protocol import (
     CheckpointReport,
     DataReport,
@@ -904,12 +904,12 @@ class _Run:
             exported["hf"] = hf_model
             if method.type == "lora":  # (and the adapter alone, for PEFT or vLLM's LoRA serving)
                 hf_adapter = join(final, "hf_adapter")
-                official = self.spec.base_checkpoint_uri is None and self.spec.adapter_uri is None
+                spec = self.spec
                 export_hf_adapter(
                     adapter,
                     hf_adapter,
                     config=self.model.base.config,
-                    base_model=hub_model_id(self.spec.model) if official else None,
+                    base_model=peft_base(spec.model, spec.base_checkpoint_uri, spec.adapter_uri),
                 )
                 exported["hf_adapter"] = hf_adapter
         if jax.process_index() == 0:

@@ -14,6 +14,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from gemma import gm
+from safetensors.numpy import load_file
 
 from tests.worker.helpers import (  # noqa: F401
     TEST_OPTIONS,
@@ -25,9 +26,9 @@ from tests.worker.helpers import (  # noqa: F401
     start_worker,
     tiny_config,
 )
+from worker import convert, train
 from worker import data as worker_data
 from worker import model as gemma
-from worker import train
 from worker.checkpoint import export_params
 from worker.config import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, Hyperparameters, JobSpec
 from worker.data import TrainData, read_documents
@@ -184,6 +185,28 @@ def test_lora_on_a_trained_base_trains_only_the_adapter(
     _, logits = run_hf(Path(export["hf"]), tmp_path / "hf-side", tokens=tokens)
     expected = plain.base.apply({"params": merged}, tokens).logits
     np.testing.assert_allclose(logits, expected, atol=2e-4, rtol=1e-4)
+    # worker.convert, run afterwards on that export, writes the same files; on a copy without the merged
+    # weights (export_merged off), it merges the adapter into the base weights read again, to the same.
+    final = tmp_path / "out" / "final"
+    written = {name: (final / "hf" / name).read_bytes() for name in ("model.safetensors", "config.json")}
+    adapter_bytes = (final / "hf_adapter" / "adapter_model.safetensors").read_bytes()
+    shutil.rmtree(final / "hf")
+    assert convert.main([str(final)]) == 0
+    assert {name: (final / "hf" / name).read_bytes() for name in written} == written
+    assert (final / "hf_adapter" / "adapter_model.safetensors").read_bytes() == adapter_bytes
+    unmerged = tmp_path / "unmerged"
+    shutil.copytree(final, unmerged, ignore=shutil.ignore_patterns("params", "hf", "hf_adapter"))
+    trimmed = {key: value for key, value in export.items() if key not in ("params", "hf", "hf_adapter")}
+    (unmerged / "export.json").write_text(json.dumps(trimmed))
+    assert convert.convert(str(unmerged)) == {
+        "hf": str(unmerged / "hf"),
+        "hf_adapter": str(unmerged / "hf_adapter"),
+    }
+    again = load_file(unmerged / "hf" / "model.safetensors")
+    for name, array in load_file(final / "hf" / "model.safetensors").items():
+        np.testing.assert_allclose(again[name], array, rtol=1e-6, atol=1e-6, err_msg=name)
+    assert json.loads((unmerged / "export.json").read_text())["hf"] == str(unmerged / "hf")
+    assert convert.main([str(tmp_path)]) == 2  # (no export there)
 
 
 def test_a_run_starts_from_another_runs_checkpoint(

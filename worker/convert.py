@@ -1,0 +1,89 @@
+"""`python -m worker.convert FINAL_URI`: a finished job's weights as a Hugging Face model, for a job that
+ran without `method.export_hf` (or to export again): from its `{output_uri}/final` (its `export.json` says
+the model, method, dtype, base weights and tokenizer) into `final/hf`, a LoRA job's adapter also into
+`final/hf_adapter`, as the job would have written them. In one process, on any machine with the worker's
+environment and access to those paths (the worker image: `docker run ... python -m worker.convert
+gs://.../final`). A LoRA job exported without its merged weights is merged here: its base weights are read
+again (the official ones unless it named others), and the adapter folded in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from etils import epath
+from gemma import gm
+
+from worker import model as gemma
+from worker.checkpoint import join
+from worker.config import JobSpec, Method
+from worker.hf import export_hf, export_hf_adapter, peft_base
+
+
+def convert(final: str, *, cache_dir: Path | None = None) -> dict[str, str]:
+    """Write the Hugging Face model (and a LoRA job's PEFT adapter) of the export under `final`; returns
+    {"hf": ..., "hf_adapter": ...} as written, also added to its `export.json`."""
+    from worker.train import RunOptions, load_tokenizer, make_mesh, tree_shardings
+
+    path = epath.Path(final) / "export.json"
+    if not path.is_file():
+        raise gemma.ModelError("export_not_found", f"{final} holds no export.json: not a job's final export")
+    export = json.loads(path.read_text())
+    method = Method.model_validate(export["method"])
+    dtype = jnp.dtype(export["dtype"])
+    spec = JobSpec.model_construct(
+        model=export["model"],
+        base_checkpoint_uri=export.get("base_checkpoint_uri"),
+        adapter_uri=export.get("adapter_uri"),
+        tokenizer_uri=export.get("tokenizer_uri"),
+    )
+    tokenizer = load_tokenizer(spec, RunOptions(cache_dir=cache_dir))
+    model = gemma.build_model(
+        spec.model, tokenizer.vocab_size, lora_rank=None, param_dtype=dtype, compute_dtype=dtype
+    )
+    cast = jax.jit(lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree))
+    adapter = gm.ckpts.load_params(export["adapter"]) if method.type == "lora" else None
+    if "params" in export:
+        weights = cast(gm.ckpts.load_params(export["params"]))
+    else:  # (a LoRA job's adapter alone: on its base, read again)
+        shardings = tree_shardings(make_mesh(1), model.abstract_params()[0])
+        base = gemma.load_base_params(spec, model, shardings, cache_dir)
+        weights = cast(jax.jit(gemma.merge_lora)(base, adapter))
+    written = {"hf": join(final, "hf")}
+    export_hf(weights, written["hf"], config=model.base.config, model_name=spec.model, tokenizer=tokenizer)
+    if adapter is not None:
+        written["hf_adapter"] = join(final, "hf_adapter")
+        export_hf_adapter(
+            cast(adapter),
+            written["hf_adapter"],
+            config=model.base.config,
+            base_model=peft_base(spec.model, spec.base_checkpoint_uri, spec.adapter_uri),
+        )
+    path.write_text(json.dumps({**export, **written}, indent=2) + "\n")
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m worker.convert", description=__doc__.splitlines()[0])
+    parser.add_argument("final", help="a job's final export: {output_uri}/final")
+    parser.add_argument(
+        "--cache-dir", type=Path, default=None, help="cache for downloaded and converted files"
+    )
+    args = parser.parse_args(argv)
+    try:
+        written = convert(args.final, cache_dir=args.cache_dir)
+    except gemma.ModelError as error:
+        print(f"{error.code}: {error.message}", file=sys.stderr)
+        return 2
+    for kind, uri in written.items():
+        print(f"{kind}: {uri}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
