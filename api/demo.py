@@ -150,8 +150,8 @@ def run_demo(args: argparse.Namespace) -> int:
     if losses:
         print(f"Train loss: {losses[0]:.3f} → {losses[-1]:.3f} (first → last step)")
     print(f"\nJob {job_id} {job['status']}" + (f": {job['error']['message']}" if job.get("error") else ""))
-    if job["status"] == "succeeded" and job.get("output_uri"):
-        print(f"Weights: {job['output_uri']}/final (Hugging Face model: {job['output_uri']}/final/hf)")
+    if exports := job.get("exports"):
+        print(f"Weights: {exports['uri']} (Hugging Face model: {exports['hf']})")
     print(f"Wall time: {time.monotonic() - started:.0f} s")
     print(f"Dashboard: {url}/ui/jobs/{job_id}   API docs: {url}/docs")
     if pid is not None:

@@ -29,7 +29,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, col, select
 
 from api import tpu
-from api.datasets import gcs_client, split_gs_uri
+from api.datasets import DatasetUnavailable, StorageUnreachable, check_dataset
 from api.db import autocommit_connection, upsert_insert
 from api.errors import ApiError, not_found
 from api.models import IdempotencyKey, Job, JobEvent, JobLog, Tenant, as_utc, job_spec, utcnow
@@ -497,9 +497,7 @@ class Source:
     base_tokenizer: str | None = None  # the tokenizer.model of its base, a Hugging Face model directory
 
 
-def read_source(
-    engine: Engine, tenant: str, job_id: str, step: int | None, settings: Settings | None = None
-) -> Source:
+def read_source(engine: Engine, tenant: str, job_id: str, step: int | None, settings: Settings) -> Source:
     """The job `job_id` of `tenant` and, for a `step`, its checkpoint there (on a thread: reads the
     database, for a local checkpoint the file system, and where the job's base weights were a Hugging
     Face model directory without a tokenizer_uri, whether that directory has its tokenizer)."""
@@ -519,7 +517,7 @@ def read_source(
     return Source(row, uri, gone, base_tokenizer)
 
 
-def _base_tokenizer(spec: JobSpec, settings: Settings | None) -> str | None:
+def _base_tokenizer(spec: JobSpec, settings: Settings) -> str | None:
     """`{base}/tokenizer.model` where the job's base weights were a Hugging Face model directory holding
     one and it named no tokenizer (its worker's tokenizer was that file); else None. Storage that does not
     answer counts as none (the new job then gets the official tokenizer, as before)."""
@@ -527,24 +525,12 @@ def _base_tokenizer(spec: JobSpec, settings: Settings | None) -> str | None:
     if spec.tokenizer_uri is not None or base is None or base.endswith(".gguf"):
         return None
     base = base.rstrip("/")
-    names = (f"{base}/config.json", f"{base}/tokenizer.model")
-    if not base.startswith("gs://"):
-        return names[1] if all(os.path.isfile(name) for name in names) else None
-    if settings is None:
+    try:  # (the check a job's dataset gets: local files, or the API's storage client, bounded)
+        for name in ("config.json", "tokenizer.model"):
+            check_dataset(f"{base}/{name}", settings, what="file")
+    except (DatasetUnavailable, StorageUnreachable):
         return None
-    try:
-        from google.cloud.storage.retry import DEFAULT_RETRY
-
-        client = gcs_client(settings.gcs_endpoint, settings.gcs_project)
-        timeout = settings.storage_timeout_seconds
-        retry = DEFAULT_RETRY.with_timeout(timeout)  # (the default retries for up to 2 minutes)
-        for name in names:
-            bucket, blob = split_gs_uri(name)
-            if client.bucket(bucket).get_blob(blob, timeout=timeout, retry=retry) is None:
-                return None
-    except Exception:  # (not found, not allowed, not answering)
-        return None
-    return names[1]
+    return f"{base}/tokenizer.model"
 
 
 def resolve_from_job[SpecT: JobSpec](spec: SpecT, source: Source) -> SpecT:

@@ -20,9 +20,8 @@ from etils import epath
 from gemma import gm
 
 from worker import model as gemma
-from worker.checkpoint import join
 from worker.config import JobSpec, Method
-from worker.hf import export_hf, export_hf_adapter, peft_base
+from worker.hf import export_hf_outputs
 
 
 def convert(final: str, *, cache_dir: Path | None = None) -> dict[str, str]:
@@ -54,16 +53,10 @@ def convert(final: str, *, cache_dir: Path | None = None) -> dict[str, str]:
         shardings = tree_shardings(make_mesh(1), model.abstract_params()[0])
         base = gemma.load_base_params(spec, model, shardings, cache_dir)
         weights = cast(jax.jit(gemma.merge_lora)(base, adapter))
-    written = {"hf": join(final, "hf")}
-    export_hf(weights, written["hf"], config=model.base.config, model_name=spec.model, tokenizer=tokenizer)
-    if adapter is not None:
-        written["hf_adapter"] = join(final, "hf_adapter")
-        export_hf_adapter(
-            cast(adapter),
-            written["hf_adapter"],
-            config=model.base.config,
-            base_model=peft_base(spec.model, spec.base_checkpoint_uri, spec.adapter_uri),
-        )
+    adapter = cast(adapter) if adapter is not None else None
+    written = export_hf_outputs(
+        weights, adapter, final, spec=spec, config=model.base.config, tokenizer=tokenizer
+    )
     path.write_text(json.dumps({**export, **written}, indent=2) + "\n")
     return written
 

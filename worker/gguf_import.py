@@ -45,14 +45,25 @@ _CONVERSION_VERSION = 1
 # (block_count, embedding_length) of each Gemma 3 size, as in the configs of `gm.nn.Gemma3_*`.
 _GEMMA3_SIZES = {(18, 640): "270m", (26, 1152): "1b", (34, 2560): "4b", (48, 3840): "12b", (62, 5376): "27b"}
 
-# GGUF norm weights of block i -> their module under `layer_i`.
-_LAYER_NORMS = {
-    "attn_norm": "pre_attention_norm",
-    "post_attention_norm": "post_attention_norm",
-    "ffn_norm": "pre_ffw_norm",
-    "post_ffw_norm": "post_ffw_norm",
-    "attn_q_norm": "attn/_query_norm",
-    "attn_k_norm": "attn/_key_norm",
+# llama.cpp's names of transformers' Gemma 3 weights: outside the layers, and within layer i (`blk.{i}.`).
+_GGUF_NAMES = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
+_GGUF_LAYER_NAMES = {
+    f"{hf}.weight": f"{gguf}.weight"
+    for hf, gguf in {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    }.items()
 }
 
 _SCALAR_DTYPES: dict[int, np.dtype] = {
@@ -151,14 +162,11 @@ def load_gguf_params(
         tokenizer = _cache_file(path, cache_dir, ".model")
         if not tokenizer.is_file():
             _write_tokenizer(path, metadata, tokenizer)
-    params: Params = {}
-    for name, array in flat.items():
-        *parents, leaf = name.split("/")
-        node = params
-        for parent in parents:
-            node = node.setdefault(parent, {})
-        node[leaf] = jnp.asarray(array, dtype=jnp.dtype(dtype))
-    return {"params": params}
+    from worker.hf import nested
+
+    return {
+        "params": nested({name: jnp.asarray(array, dtype=jnp.dtype(dtype)) for name, array in flat.items()})
+    }
 
 
 def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
@@ -385,9 +393,8 @@ def _convert_params(
     path: Path, metadata: dict[str, Any], tensors: dict[str, _TensorInfo]
 ) -> dict[str, np.ndarray]:
     """Dequantize every tensor and map it onto the flattened (`/`-joined) gemma parameter paths."""
-    heads = int(metadata["gemma3.attention.head_count"])
-    kv_heads = int(metadata["gemma3.attention.head_count_kv"])
-    head_dim = int(metadata["gemma3.attention.key_length"])
+    from worker.hf import gemma_params_from_hf_layout
+
     tensors = dict(tensors)
     contents = np.memmap(path, dtype=np.uint8, mode="r")
 
@@ -407,33 +414,22 @@ def _convert_params(
         rows = contents[info.offset : end].reshape(*info.shape[:-1], row_bytes)
         return np.asarray(dequantize(rows, info.qtype), dtype=np.float32)
 
-    def heads_last(weight: np.ndarray, count: int) -> np.ndarray:
-        """(count * head_dim, embed) -> (count, embed, head_dim), the layout of gemma's q/kv einsums."""
-        return weight.reshape(count, head_dim, -1).transpose(0, 2, 1)
+    def take_hf(name: str) -> np.ndarray:
+        """The tensor transformers names `name`: llama.cpp's layout is the same, its norms 1 + scale."""
+        if name.startswith("layers."):
+            layer, _, weight = name.removeprefix("layers.").partition(".")
+            gguf = f"blk.{layer}.{_GGUF_LAYER_NAMES[weight]}"
+        else:
+            gguf = _GGUF_NAMES[name]
+        return take(gguf) - 1 if "norm" in name else take(gguf)
 
-    flat = {
-        "embedder/input_embedding": take("token_embd.weight"),
-        "final_norm/scale": take("output_norm.weight") - 1,
-    }
-    for layer in range(int(metadata["gemma3.block_count"])):
-        block, prefix = f"blk.{layer}.", f"layer_{layer}/"
-        flat[prefix + "attn/q_einsum/w"] = heads_last(take(block + "attn_q.weight"), heads)
-        flat[prefix + "attn/kv_einsum/w"] = np.stack(
-            [
-                heads_last(take(block + "attn_k.weight"), kv_heads),
-                heads_last(take(block + "attn_v.weight"), kv_heads),
-            ]
-        )
-        flat[prefix + "attn/attn_vec_einsum/w"] = take(block + "attn_output.weight").T.reshape(
-            heads, head_dim, -1
-        )
-        # gemma applies the GELU to index 0 of the gating einsum.
-        flat[prefix + "mlp/gating_einsum"] = np.stack(
-            [take(block + "ffn_gate.weight"), take(block + "ffn_up.weight")]
-        )
-        flat[prefix + "mlp/linear"] = take(block + "ffn_down.weight").T
-        for gguf_name, module in _LAYER_NORMS.items():
-            flat[f"{prefix}{module}/scale"] = take(f"{block}{gguf_name}.weight") - 1
+    flat = gemma_params_from_hf_layout(
+        take_hf,
+        layers=int(metadata["gemma3.block_count"]),
+        heads=int(metadata["gemma3.attention.head_count"]),
+        kv_heads=int(metadata["gemma3.attention.head_count_kv"]),
+        head_dim=int(metadata["gemma3.attention.key_length"]),
+    )
     if tensors:
         # e.g. `output.weight`: gemma always ties the output layer to the embedding.
         raise GgufImportError(

@@ -30,6 +30,7 @@ import numpy as np
 from etils import epath
 from gemma import gm
 
+from worker.config import JobSpec
 from worker.tokenizer import Tokenizer
 
 Params = dict[str, Any]
@@ -210,6 +211,20 @@ def peft_base(model_name: str, base_checkpoint_uri: str | None, adapter_uri: str
 
 
 PEFT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def export_hf_outputs(
+    weights: Params, adapter: Params | None, final: str, *, spec: JobSpec, config: Any, tokenizer: Tokenizer
+) -> dict[str, str]:
+    """A job's Hugging Face exports under `final` (its `{output_uri}/final`): `hf`, the whole network's
+    `weights`, and with a LoRA `adapter`, `hf_adapter` for PEFT. Returns their URIs by name."""
+    written = {"hf": f"{final.rstrip('/')}/hf"}
+    export_hf(weights, written["hf"], config=config, model_name=spec.model, tokenizer=tokenizer)
+    if adapter is not None:
+        written["hf_adapter"] = f"{final.rstrip('/')}/hf_adapter"
+        base = peft_base(spec.model, spec.base_checkpoint_uri, spec.adapter_uri)
+        export_hf_adapter(adapter, written["hf_adapter"], config=config, base_model=base)
+    return written
 
 
 def export_hf(
@@ -440,50 +455,82 @@ def load_hf_params(uri: str, config: gm.nn.config.TransformerConfig, dtype: Any)
     )
     if prefix is None:
         raise HfImportError(f"{uri} holds no Gemma 3 text model (no embed_tokens.weight)")
-    heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
 
     def take(name: str) -> np.ndarray:
         if f"{prefix}{name}" not in weights:
             raise HfImportError(f"{uri} lacks the weight {prefix}{name}")
         return np.asarray(weights[f"{prefix}{name}"](), dtype=dtype)
 
+    flat = gemma_params_from_hf_layout(
+        take,
+        layers=config.num_layers,
+        heads=config.num_heads,
+        kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        transposed_gating=config.transpose_gating_einsum,
+    )
+    return nested(flat)
+
+
+def gemma_params_from_hf_layout(
+    take: Callable[[str], np.ndarray],
+    *,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    transposed_gating: bool = True,
+) -> dict[str, np.ndarray]:
+    """Gemma's params, flat (`/`-joined paths), from weights in transformers' layout: `take(name)` gives the
+    one named so (`embed_tokens.weight`, `layers.{i}.self_attn.q_proj.weight`, ...) as `(out_features,
+    in_features)`, norm scales as gemma's. (llama.cpp's GGUF holds the same layout under its own names, its
+    norms as 1 + scale: `worker.gguf_import` reads it through this too.)"""
+
     def heads_last(weight: np.ndarray, count: int) -> np.ndarray:
-        """(count * head_dim, embed) -> (count, embed, head_dim)."""
+        """(count * head_dim, embed) -> (count, embed, head_dim), the layout of gemma's q/kv einsums."""
         return weight.reshape(count, head_dim, -1).transpose(0, 2, 1)
 
-    params: Params = {
-        "embedder": {"input_embedding": take("embed_tokens.weight")},
-        "final_norm": {"scale": take("norm.weight")},
-    }
-    for layer in range(config.num_layers):
-        name = f"layers.{layer}."
+    flat = {"embedder/input_embedding": take("embed_tokens.weight"), "final_norm/scale": take("norm.weight")}
+    for layer in range(layers):
+        name, path = f"layers.{layer}.", f"layer_{layer}/"
+        flat[path + "attn/q_einsum/w"] = heads_last(take(name + "self_attn.q_proj.weight"), heads)
+        flat[path + "attn/kv_einsum/w"] = np.stack(
+            [
+                heads_last(take(name + "self_attn.k_proj.weight"), kv_heads),
+                heads_last(take(name + "self_attn.v_proj.weight"), kv_heads),
+            ]
+        )
+        o_proj = take(name + "self_attn.o_proj.weight")
+        flat[path + "attn/attn_vec_einsum/w"] = o_proj.T.reshape(heads, head_dim, -1)
+        # gemma applies the GELU to index 0 of the gating einsum.
         gating = np.stack([take(name + "mlp.gate_proj.weight"), take(name + "mlp.up_proj.weight")])
-        params[f"layer_{layer}"] = {
-            "attn": {
-                "q_einsum": {"w": heads_last(take(name + "self_attn.q_proj.weight"), heads)},
-                "kv_einsum": {
-                    "w": np.stack(
-                        [
-                            heads_last(take(name + "self_attn.k_proj.weight"), kv_heads),
-                            heads_last(take(name + "self_attn.v_proj.weight"), kv_heads),
-                        ]
-                    )
-                },
-                "attn_vec_einsum": {
-                    "w": take(name + "self_attn.o_proj.weight").T.reshape(heads, head_dim, -1)
-                },
-                "_query_norm": {"scale": take(name + "self_attn.q_norm.weight")},
-                "_key_norm": {"scale": take(name + "self_attn.k_norm.weight")},
-            },
-            "mlp": {
-                "gating_einsum": gating if config.transpose_gating_einsum else gating.transpose(0, 2, 1),
-                "linear": take(name + "mlp.down_proj.weight").T,
-            },
-            "pre_attention_norm": {"scale": take(name + "input_layernorm.weight")},
-            "post_attention_norm": {"scale": take(name + "post_attention_layernorm.weight")},
-            "pre_ffw_norm": {"scale": take(name + "pre_feedforward_layernorm.weight")},
-            "post_ffw_norm": {"scale": take(name + "post_feedforward_layernorm.weight")},
-        }
+        flat[path + "mlp/gating_einsum"] = gating if transposed_gating else gating.transpose(0, 2, 1)
+        flat[path + "mlp/linear"] = take(name + "mlp.down_proj.weight").T
+        for hf_norm, module in _LAYER_NORMS.items():
+            flat[f"{path}{module}/scale"] = take(f"{name}{hf_norm}.weight")
+    return flat
+
+
+# The norms of layer i: transformers' name -> gemma's module under `layer_i`.
+_LAYER_NORMS = {
+    "input_layernorm": "pre_attention_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "pre_ffw_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_norm": "attn/_query_norm",
+    "self_attn.k_norm": "attn/_key_norm",
+}
+
+
+def nested(flat: dict[str, Any]) -> Params:
+    """A params tree from its flat (`/`-joined) paths."""
+    params: Params = {}
+    for name, array in flat.items():
+        *parents, leaf = name.split("/")
+        node = params
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = array
     return params
 
 

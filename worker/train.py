@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from etils import epath
 from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -54,7 +55,7 @@ from worker.data import (
     TrainData,
     load_train_data,
 )
-from worker.hf import export_hf, export_hf_adapter, hf_tokenizer, is_hf_model, peft_base
+from worker.hf import export_hf_outputs, hf_tokenizer, is_hf_model
 from worker.protocol import (
     CheckpointReport,
     DataReport,
@@ -324,20 +325,19 @@ def load_tokenizer(spec: JobSpec, options: RunOptions) -> Tokenizer:
     """The job's tokenizer: `tokenizer_uri` (a SentencePiece model, a GGUF file's or a Hugging Face model
     directory's `tokenizer.model`), else the GGUF base weights' own or a Hugging Face base model's, else
     the official Gemma 3 one."""
-    uri = spec.tokenizer_uri
-    base = spec.base_checkpoint_uri
+    uri, base = spec.tokenizer_uri, spec.base_checkpoint_uri
     if uri is None and base is not None and not base.endswith(".gguf"):
         uri = hf_tokenizer(base)
     elif uri is not None and not uri.endswith(".gguf") and is_hf_model(uri):
-        uri = hf_tokenizer(uri)
-        if uri is None:
+        uri = str(epath.Path(uri) / "tokenizer.model")
+        if not epath.Path(uri).is_file():
             raise gemma.ModelError(
                 "bad_tokenizer",
                 f"{spec.tokenizer_uri} is a Hugging Face model directory without a tokenizer.model",
             )
     gguf = uri if uri is not None and uri.endswith(".gguf") else None
-    if uri is None and spec.base_checkpoint_uri is not None and spec.base_checkpoint_uri.endswith(".gguf"):
-        gguf = spec.base_checkpoint_uri
+    if uri is None and base is not None and base.endswith(".gguf"):
+        gguf = base
     if gguf is not None:
         from worker.gguf_import import GgufImportError, gguf_tokenizer_model
 
@@ -893,25 +893,14 @@ class _Run:
         if method.export_hf:
             assert weights is not None
             self.status("exporting the weights as a Hugging Face model", "exporting", step=step)
-            hf_model = join(final, "hf")
-            export_hf(
+            exported |= export_hf_outputs(
                 weights,
-                hf_model,
+                adapter if method.type == "lora" else None,
+                final,
+                spec=self.spec,
                 config=self.model.base.config,
-                model_name=self.spec.model,
                 tokenizer=self.tokenizer,
             )
-            exported["hf"] = hf_model
-            if method.type == "lora":  # (and the adapter alone, for PEFT or vLLM's LoRA serving)
-                hf_adapter = join(final, "hf_adapter")
-                spec = self.spec
-                export_hf_adapter(
-                    adapter,
-                    hf_adapter,
-                    config=self.model.base.config,
-                    base_model=peft_base(spec.model, spec.base_checkpoint_uri, spec.adapter_uri),
-                )
-                exported["hf_adapter"] = hf_adapter
         if jax.process_index() == 0:
             write_json(
                 join(final, "export.json"),
