@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from api.client import FINAL_STATUSES, ApiError, Client
+from worker.config import GGUF_TYPES
 
 EXIT_CODES = {"succeeded": 0, "failed": 1, "cancelled": 2}
 
@@ -122,6 +123,8 @@ def _print_job(job: dict[str, Any]) -> None:
     print(f"  output: {job['output_uri']}{exported_note(job)}")
     if line := hf_line(job):
         print(f"  {line}")
+    if line := gguf_line(job):
+        print(f"  {line}")
     if job.get("checkpoint_uri"):
         print(f"  latest checkpoint: {job['checkpoint_uri']}")
 
@@ -141,6 +144,12 @@ def hf_line(job: dict[str, Any]) -> str | None:
         return None
     adapter = f" (adapter for PEFT: {exports['hf_adapter']})" if exports.get("hf_adapter") else ""
     return f"Hugging Face model: {exports['hf']}{adapter}"
+
+
+def gguf_line(job: dict[str, Any]) -> str | None:
+    """Where a job that succeeded with `export_gguf` put its GGUF file."""
+    exports = job.get("exports") or {}
+    return f"GGUF (llama.cpp, ollama): {exports['gguf']}" if exports.get("gguf") else None
 
 
 def interruptions_line(job: dict[str, Any]) -> str | None:
@@ -206,6 +215,8 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
         spec.setdefault("method", {})["lora_rank"] = args.lora_rank
     if args.export_hf:
         spec.setdefault("method", {})["export_hf"] = True
+    if args.export_gguf:
+        spec.setdefault("method", {})["export_gguf"] = args.export_gguf
     hp = {
         "epochs": args.epochs,
         "max_steps": args.max_steps,
@@ -749,6 +760,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=int)
     p.add_argument(
         "--export-hf", action="store_true", help="also export a Hugging Face model (final/hf: safetensors)"
+    )
+    p.add_argument(
+        "--export-gguf",
+        choices=GGUF_TYPES,
+        help="also export a GGUF file for llama.cpp and ollama, its matrices in this type",
     )
     p.add_argument("--epochs", type=int)
     p.add_argument("--max-steps", type=int)

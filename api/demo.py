@@ -35,8 +35,9 @@ def demo_spec(dataset: Path, gguf: Path, steps: int) -> dict[str, Any]:
         "name": "demo: Gemma 3 270M on stories",
         "model": "gemma3-270m-pt",
         "base_checkpoint_uri": str(gguf),
-        # (and the merged weights as a Hugging Face model, for transformers or vLLM)
-        "method": {"type": "lora", "lora_rank": 16, "export_hf": True},
+        # (and the merged weights as a Hugging Face model, for transformers or vLLM, and as a GGUF file
+        # for llama.cpp or ollama)
+        "method": {"type": "lora", "lora_rank": 16, "export_hf": True, "export_gguf": "q8_0"},
         "dataset_uri": str(dataset),
         "validation_split": 0.005,
         "hyperparameters": {
@@ -151,7 +152,9 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"Train loss: {losses[0]:.3f} → {losses[-1]:.3f} (first → last step)")
     print(f"\nJob {job_id} {job['status']}" + (f": {job['error']['message']}" if job.get("error") else ""))
     if exports := job.get("exports"):
-        print(f"Weights: {exports['uri']} (Hugging Face model: {exports['hf']})")
+        print(f"Weights: {exports['uri']}")
+        print(f"  Hugging Face model (transformers, vLLM): {exports['hf']}")
+        print(f"  GGUF (llama.cpp, ollama): {exports['gguf']}")
     print(f"Wall time: {time.monotonic() - started:.0f} s")
     print(f"Dashboard: {url}/ui/jobs/{job_id}   API docs: {url}/docs")
     if pid is not None:

@@ -126,6 +126,10 @@ class JobExports(BaseModel):
         "tokenizer), a LoRA job's with the adapter merged in."
     )
     hf_adapter: str | None = Field(description="LoRA with `method.export_hf`: the adapter for PEFT.")
+    gguf: str | None = Field(
+        description="With `method.export_gguf`: one GGUF file (`model-{type}.gguf`) for llama.cpp, ollama "
+        "and LM Studio, a LoRA job's with the adapter merged in."
+    )
 
     @classmethod
     def of(cls, output_uri: str, spec: JobSpec) -> JobExports:
@@ -138,6 +142,7 @@ class JobExports(BaseModel):
             adapter=f"{final}/adapter" if lora else None,
             hf=f"{final}/hf" if method.export_hf else None,
             hf_adapter=f"{final}/hf_adapter" if lora and method.export_hf else None,
+            gguf=f"{final}/model-{method.export_gguf}.gguf" if method.export_gguf else None,
         )
 
 

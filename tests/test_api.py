@@ -619,6 +619,8 @@ def test_a_job_that_succeeded_says_where_its_weights_are(client: TestClient, dat
         "merged": {"params": "params", "adapter": "adapter"},
         "full_hf": {"params": "params", "hf": "hf"},
         "lora_hf": {"adapter": "adapter", "hf": "hf", "hf_adapter": "hf_adapter"},
+        "lora_gguf": {"adapter": "adapter", "gguf": "model-q8_0.gguf"},
+        "full_all": {"params": "params", "hf": "hf", "gguf": "model-bf16.gguf"},
     }
     methods = {
         "full": {"type": "full"},
@@ -626,6 +628,8 @@ def test_a_job_that_succeeded_says_where_its_weights_are(client: TestClient, dat
         "merged": {"type": "lora", "export_merged": True},
         "full_hf": {"type": "full", "export_hf": True},
         "lora_hf": {"type": "lora", "export_hf": True},
+        "lora_gguf": {"type": "lora", "export_gguf": "q8_0"},
+        "full_all": {"type": "full", "export_hf": True, "export_gguf": "bf16"},
     }
     for name, method in methods.items():
         job = client.post("/jobs", json=job_body(dataset, method=method)).json()
@@ -635,7 +639,7 @@ def test_a_job_that_succeeded_says_where_its_weights_are(client: TestClient, dat
         _finish(client, job["id"])
         shown = client.get(f"/jobs/{job['id']}").json()["exports"]
         final = f"{job['output_uri']}/final"
-        none = dict.fromkeys(("params", "adapter", "hf", "hf_adapter"))
+        none = dict.fromkeys(("params", "adapter", "hf", "hf_adapter", "gguf"))
         paths = {key: f"{final}/{path}" for key, path in expected[name].items()}
         assert shown == {"uri": final, **none, **paths}, name
         listed = client.get("/jobs", params={"limit": 1}).json()["data"][0]

@@ -17,6 +17,7 @@ from sqlmodel import Session, select
 from api.cli import (
     data_line,
     exported_note,
+    gguf_line,
     hf_line,
     interruptions_line,
     main,
@@ -80,7 +81,17 @@ def test_submit_follow_status_events_checkpoints(live_api, dataset: Path, capsys
     assert code == 3 and "drop previous. (previous_not_supported)" in err
     # Another from its weights; the API's sentence when it cannot.
     code, out, _ = run(
-        api, capsys, "submit", str(spec), "--from-job", job_id, "--method", "lora", "--export-hf"
+        api,
+        capsys,
+        "submit",
+        str(spec),
+        "--from-job",
+        job_id,
+        "--method",
+        "lora",
+        "--export-hf",
+        "--export-gguf",
+        "q8_0",
     )
     more = api.client().get(f"/jobs/{out.split()[1]}").json()
     assert code == 0 and more["spec"]["from_job"] == job_id
@@ -89,6 +100,7 @@ def test_submit_follow_status_events_checkpoints(live_api, dataset: Path, capsys
         "lora_rank": 8,
         "export_merged": False,
         "export_hf": True,
+        "export_gguf": "q8_0",
     }
     assert more["spec"]["base_checkpoint_uri"] == f"{job['output_uri']}/final/params"
     code, _, err = run(api, capsys, "submit", str(spec), "--from-job", "ft-nowhere")
@@ -368,6 +380,13 @@ def test_progress_line(job: dict, expected: str) -> None:
 )
 def test_exported_note(exported: int | None, expected: str) -> None:
     assert exported_note({"exported_step": exported, "progress": {"step": 40}}) == expected
+
+
+def test_gguf_line() -> None:
+    assert gguf_line({"exports": None}) is None  # (not succeeded)
+    assert gguf_line({"exports": {"hf": "/o/final/hf", "gguf": None}}) is None
+    exports = {"gguf": "/o/final/model-q8_0.gguf"}
+    assert gguf_line({"exports": exports}) == "GGUF (llama.cpp, ollama): /o/final/model-q8_0.gguf"
 
 
 def test_hf_line() -> None:

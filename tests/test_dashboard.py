@@ -483,7 +483,7 @@ def test_a_succeeded_job_shows_its_hugging_face_model(
 ) -> None:
     api = live_api(dispatcher_enabled=False)
     ids = []
-    for method in ({"type": "lora", "export_hf": True}, {"type": "full"}):
+    for method in ({"type": "lora", "export_hf": True, "export_gguf": "q8_0"}, {"type": "full"}):
         with api.client() as http:
             body = {"name": "hf", "model": "tiny", "dataset_uri": str(dataset), "method": method}
             response = http.post("/jobs", json=body)
@@ -499,9 +499,11 @@ def test_a_succeeded_job_shows_its_hugging_face_model(
         final = http.get(f"/jobs/{ids[0]}").json()["exports"]["uri"]
     tab = open_tab(api, f"/ui/jobs/{ids[0]}")
     expect(tab.page.locator("#f-hf")).to_have_text(f"{final}/hf (adapter for PEFT: {final}/hf_adapter)")
+    expect(tab.page.locator("#f-gguf")).to_have_text(f"{final}/model-q8_0.gguf")
     tab.page.goto(f"{api.url}/ui/jobs/{ids[1]}")
     expect(tab.page.locator("#status")).to_have_text("succeeded")
     expect(tab.page.locator("#f-hf")).to_have_text("—")
+    expect(tab.page.locator("#f-gguf")).to_have_text("—")
     tab.assert_clean()
 
 

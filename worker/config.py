@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import posixpath
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -47,6 +47,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+# The types of a GGUF export's matrices (`method.export_gguf`): llama.cpp's converter's own choices.
+GgufType = Literal["f32", "f16", "bf16", "q8_0"]
+GGUF_TYPES: tuple[str, ...] = get_args(GgufType)
+
+
 class Method(_Strict):
     """Full fine-tune or LoRA."""
 
@@ -63,6 +68,13 @@ class Method(_Strict):
         "config and tokenizer) under `{output_uri}/final/hf`, for transformers, vLLM and the tools that read "
         "it; a LoRA job's with the adapter merged in, and its adapter alone for PEFT under "
         "`final/hf_adapter`.",
+    )
+    export_gguf: GgufType | None = Field(
+        default=None,
+        description="Also export the weights as one GGUF file, its matrices in this type, for llama.cpp, "
+        "ollama and LM Studio: `{output_uri}/final/model-{type}.gguf` (a LoRA job's with the adapter merged "
+        "in), with the tokenizer and Gemma's chat template. `q8_0` is a quarter of `f32`'s size; smaller "
+        "quantizations are llama.cpp's `llama-quantize` on this file.",
     )
 
     @model_validator(mode="after")

@@ -1,8 +1,9 @@
-"""`python -m worker.convert FINAL_URI`: a finished job's weights as a Hugging Face model, for a job that
-ran without `method.export_hf` (or to export again): from its `{output_uri}/final` (its `export.json` says
-the model, method, dtype, base weights and tokenizer) into `final/hf`, a LoRA job's adapter also into
-`final/hf_adapter`, as the job would have written them. In one process, on any machine with the worker's
-environment and access to those paths (the worker image: `docker run ... python -m worker.convert
+"""`python -m worker.convert FINAL_URI [--hf] [--gguf TYPE]`: a finished job's weights in the formats
+`method.export_hf` and `method.export_gguf` ask for, for a job that ran without them (or to export again):
+from its `{output_uri}/final` (its `export.json` says the model, method, dtype, base weights and tokenizer)
+into `final/hf` (a LoRA job's adapter also into `final/hf_adapter`) and `final/model-{TYPE}.gguf`, as the
+job would have written them (`--hf` when neither is given). In one process, on any machine with the
+worker's environment and access to those paths (the worker image: `docker run ... python -m worker.convert
 gs://.../final`). A LoRA job exported without its merged weights is merged here: its base weights are read
 again (the official ones unless it named others), and the adapter folded in.
 """
@@ -20,13 +21,16 @@ from etils import epath
 from gemma import gm
 
 from worker import model as gemma
-from worker.config import JobSpec, Method
-from worker.hf import export_hf_outputs
+from worker.config import GGUF_TYPES, JobSpec, Method
+from worker.exports import export_formats
 
 
-def convert(final: str, *, cache_dir: Path | None = None) -> dict[str, str]:
-    """Write the Hugging Face model (and a LoRA job's PEFT adapter) of the export under `final`; returns
-    {"hf": ..., "hf_adapter": ...} as written, also added to its `export.json`."""
+def convert(
+    final: str, *, hf: bool = True, gguf: str | None = None, cache_dir: Path | None = None
+) -> dict[str, str]:
+    """Write the export under `final` as a Hugging Face model (with `hf`; and a LoRA job's PEFT adapter)
+    and as a GGUF file of type `gguf`; returns {"hf": ..., "hf_adapter": ..., "gguf": ...} as written,
+    also added to its `export.json`."""
     from worker.train import RunOptions, load_tokenizer, make_mesh, tree_shardings
 
     path = epath.Path(final) / "export.json"
@@ -54,8 +58,16 @@ def convert(final: str, *, cache_dir: Path | None = None) -> dict[str, str]:
         base = gemma.load_base_params(spec, model, shardings, cache_dir)
         weights = cast(jax.jit(gemma.merge_lora)(base, adapter))
     adapter = cast(adapter) if adapter is not None else None
-    written = export_hf_outputs(
-        weights, adapter, final, spec=spec, config=model.base.config, tokenizer=tokenizer
+    written = export_formats(
+        weights,
+        adapter,
+        final,
+        spec=spec,
+        config=model.base.config,
+        tokenizer=tokenizer,
+        hf=hf,
+        gguf=gguf,
+        name=export.get("job_id"),
     )
     path.write_text(json.dumps({**export, **written}, indent=2) + "\n")
     return written
@@ -67,9 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cache-dir", type=Path, default=None, help="cache for downloaded and converted files"
     )
+    parser.add_argument("--hf", action="store_true", help="a Hugging Face model (the default without --gguf)")
+    parser.add_argument(
+        "--gguf", choices=GGUF_TYPES, default=None, help="a GGUF file, its matrices in this type"
+    )
     args = parser.parse_args(argv)
     try:
-        written = convert(args.final, cache_dir=args.cache_dir)
+        written = convert(
+            args.final, hf=args.hf or args.gguf is None, gguf=args.gguf, cache_dir=args.cache_dir
+        )
     except gemma.ModelError as error:
         print(f"{error.code}: {error.message}", file=sys.stderr)
         return 2

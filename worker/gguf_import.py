@@ -169,6 +169,15 @@ def load_gguf_params(
     }
 
 
+def gguf_tensor_name(name: str) -> str:
+    """llama.cpp's name of the weight transformers' Gemma 3 text model names `name` (`embed_tokens.weight`,
+    `layers.{i}.self_attn.q_proj.weight`, ...): `token_embd.weight`, `blk.{i}.attn_q.weight`, ..."""
+    if name.startswith("layers."):
+        layer, _, weight = name.removeprefix("layers.").partition(".")
+        return f"blk.{layer}.{_GGUF_LAYER_NAMES[weight]}"
+    return _GGUF_NAMES[name]
+
+
 def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
     """The key/value metadata of a GGUF file: scalars as Python values, arrays as lists or numpy arrays."""
     return _read_gguf(Path(path))[0]
@@ -416,11 +425,7 @@ def _convert_params(
 
     def take_hf(name: str) -> np.ndarray:
         """The tensor transformers names `name`: llama.cpp's layout is the same, its norms 1 + scale."""
-        if name.startswith("layers."):
-            layer, _, weight = name.removeprefix("layers.").partition(".")
-            gguf = f"blk.{layer}.{_GGUF_LAYER_NAMES[weight]}"
-        else:
-            gguf = _GGUF_NAMES[name]
+        gguf = gguf_tensor_name(name)
         return take(gguf) - 1 if "norm" in name else take(gguf)
 
     flat = gemma_params_from_hf_layout(

@@ -30,7 +30,6 @@ import numpy as np
 from etils import epath
 from gemma import gm
 
-from worker.config import JobSpec
 from worker.tokenizer import Tokenizer
 
 Params = dict[str, Any]
@@ -82,7 +81,6 @@ def hf_config(
         "sliding_attention" if kind == gm.nn.AttentionType.LOCAL_SLIDING else "full_attention"
         for kind in config.attention_types
     ]
-    size = model_name.split("-")[1] if model_name.startswith("gemma3-") else "270m"
     rope_scaling = (
         None
         if config.global_scale_factor == 1.0
@@ -102,7 +100,7 @@ def hf_config(
         "num_key_value_heads": config.num_kv_heads,
         "head_dim": config.head_dim,
         "hidden_activation": "gelu_pytorch_tanh",
-        "max_position_embeddings": _MAX_POSITIONS.get(size, 131_072),
+        "max_position_embeddings": max_positions(model_name),
         "rms_norm_eps": 1e-6,
         "query_pre_attn_scalar": scalar,
         "sliding_window": config.sliding_window_size,
@@ -123,6 +121,12 @@ def hf_config(
         "dtype": torch_dtype,
         "use_cache": True,
     }
+
+
+def max_positions(model_name: str) -> int:
+    """The context length of `model_name`'s size (the `tiny` test model's: 270M's)."""
+    size = model_name.split("-")[1] if model_name.startswith("gemma3-") else "270m"
+    return _MAX_POSITIONS.get(size, 131_072)
 
 
 def hf_tensors(params: Params, config: gm.nn.config.TransformerConfig) -> Iterator[tuple[str, Any]]:
@@ -213,20 +217,6 @@ def peft_base(model_name: str, base_checkpoint_uri: str | None, adapter_uri: str
 PEFT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def export_hf_outputs(
-    weights: Params, adapter: Params | None, final: str, *, spec: JobSpec, config: Any, tokenizer: Tokenizer
-) -> dict[str, str]:
-    """A job's Hugging Face exports under `final` (its `{output_uri}/final`): `hf`, the whole network's
-    `weights`, and with a LoRA `adapter`, `hf_adapter` for PEFT. Returns their URIs by name."""
-    written = {"hf": f"{final.rstrip('/')}/hf"}
-    export_hf(weights, written["hf"], config=config, model_name=spec.model, tokenizer=tokenizer)
-    if adapter is not None:
-        written["hf_adapter"] = f"{final.rstrip('/')}/hf_adapter"
-        base = peft_base(spec.model, spec.base_checkpoint_uri, spec.adapter_uri)
-        export_hf_adapter(adapter, written["hf_adapter"], config=config, base_model=base)
-    return written
-
-
 def export_hf(
     params: Params,
     uri: str,
@@ -298,17 +288,11 @@ def _write_weights(
     writer = jax.process_index() == 0
     if writer:
         root.mkdir(parents=True, exist_ok=True)
-    # Shapes and dtypes first, from the abstract tree: each shard's header is written before its data.
-    names: list[str] = []
-
-    def arrays(tree: Params) -> list[Any]:
-        named = list(tensors_of(tree))
-        names[:] = [name for name, _ in named]
-        return [array for _, array in named]
-
-    shapes = jax.eval_shape(arrays, tree)  # (fills `names`)
-    abstract = dict(zip(names, shapes, strict=True))
-    shards = _plan_shards([(name, abstract[name]) for name in names], max_shard_bytes)
+    # Shapes and dtypes first: each shard's header is written before its data.
+    named = abstract_tensors(tensors_of, tree)
+    abstract = dict(named)
+    names = [name for name, _ in named]
+    shards = _plan_shards(named, max_shard_bytes)
     tensors = tensors_of(tree)
     weight_map: dict[str, str] = {}
     for index, shard in enumerate(shards):
@@ -324,7 +308,7 @@ def _write_weights(
             for name in shard:
                 got, array = next(tensors)
                 assert got == name
-                host = _gathered(array)
+                host = gathered(array)
                 if handle is not None:
                     handle.write(np.ascontiguousarray(host).tobytes())
                 weight_map[name] = file
@@ -336,6 +320,21 @@ def _write_weights(
         index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
         _write_json(root / f"{stem}.safetensors.index.json", index_json)
     return np.dtype(abstract[names[0]].dtype)
+
+
+def abstract_tensors(
+    tensors_of: Callable[[Params], Iterator[tuple[str, Any]]], tree: Params
+) -> list[tuple[str, jax.ShapeDtypeStruct]]:
+    """(name, shape and dtype) of each array `tensors_of(tree)` yields, in order, computing none of them."""
+    names: list[str] = []
+
+    def arrays(tree: Params) -> list[Any]:
+        named = list(tensors_of(tree))
+        names[:] = [name for name, _ in named]
+        return [array for _, array in named]
+
+    shapes = jax.eval_shape(arrays, tree)  # (fills `names`)
+    return list(zip(names, shapes, strict=True))
 
 
 def _write_tokenizer(root: epath.Path, tokenizer: Tokenizer) -> None:
@@ -365,7 +364,7 @@ def _write_tokenizer(root: epath.Path, tokenizer: Tokenizer) -> None:
     _write_json(root / "special_tokens_map.json", special)
 
 
-def _gathered(array: Any) -> np.ndarray:
+def gathered(array: Any) -> np.ndarray:
     """The whole of `array` on this host (a collective where it spans processes)."""
     if isinstance(array, jax.Array) and not array.is_fully_addressable:
         from jax.experimental import multihost_utils

@@ -55,7 +55,8 @@ from worker.data import (
     TrainData,
     load_train_data,
 )
-from worker.hf import export_hf_outputs, hf_tokenizer, is_hf_model
+from worker.exports import export_formats
+from worker.hf import hf_tokenizer, is_hf_model
 from worker.protocol import (
     CheckpointReport,
     DataReport,
@@ -885,21 +886,29 @@ class _Run:
             adapter = cast(state["params"])
             export_params(adapter, join(final, "adapter"))
             exported["adapter"] = join(final, "adapter")
-            if method.export_merged or method.export_hf:
+            if method.export_merged or method.export_hf or method.export_gguf:
                 weights = cast(jax.jit(gemma.merge_lora)(frozen, state["params"]))
         if method.type == "full" or method.export_merged:
             export_params(weights, join(final, "params"))
             exported["params"] = join(final, "params")
-        if method.export_hf:
+        if method.export_hf or method.export_gguf:
             assert weights is not None
-            self.status("exporting the weights as a Hugging Face model", "exporting", step=step)
-            exported |= export_hf_outputs(
+            formats = " and ".join(
+                kind
+                for kind, wanted in (("a Hugging Face model", method.export_hf), ("GGUF", method.export_gguf))
+                if wanted
+            )
+            self.status(f"exporting the weights as {formats}", "exporting", step=step)
+            exported |= export_formats(
                 weights,
                 adapter if method.type == "lora" else None,
                 final,
                 spec=self.spec,
                 config=self.model.base.config,
                 tokenizer=self.tokenizer,
+                hf=method.export_hf,
+                gguf=method.export_gguf,
+                name=self.config.job_id,
             )
         if jax.process_index() == 0:
             write_json(

@@ -121,6 +121,7 @@ function showJob(next) {
   $("f-output").textContent = job.output_uri;
   $("f-exported").textContent = formatExported(job);
   $("f-hf").textContent = formatHf(job.exports);
+  $("f-gguf").textContent = (job.exports && job.exports.gguf) || "—";
 }
 
 // The Hugging Face model's path, and a LoRA job's PEFT adapter; "—" without one (or before it succeeded).

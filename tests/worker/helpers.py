@@ -154,16 +154,18 @@ def run_hf(
     chats: list[list[dict[str, str]]] | None = None,
     config: bool = False,
     adapter: Path | None = None,
+    gguf_file: str | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """What transformers makes of an exported Hugging Face model (`tests/worker/hf_side.py`, in a process of
-    its own): (its result, with `config`, `texts`, `chats`, `dtype`; the logits for `tokens`, with the PEFT
-    `adapter` on the model if given, or None)."""
+    its own), or of the GGUF file `gguf_file` in `model_dir`: (its result, with `config`, `texts`, `chats`,
+    `dtype`; the logits for `tokens`, with the PEFT `adapter` on the model if given, or None)."""
     import numpy as np
 
     workdir.mkdir(parents=True, exist_ok=True)
     request: dict[str, Any] = {"model": str(model_dir), "texts": texts or [], "chats": chats or []}
     request["config"] = config
     request["adapter"] = str(adapter) if adapter else None
+    request["gguf_file"] = gguf_file
     if tokens is not None:
         np.save(workdir / "tokens.npy", np.asarray(tokens))
         request["tokens"] = str(workdir / "tokens.npy")

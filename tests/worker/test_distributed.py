@@ -10,6 +10,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from gemma import gm
+from gguf import GGUFReader
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
@@ -29,6 +30,7 @@ from tests.worker.helpers import (
 from worker import model as gemma
 from worker import train
 from worker.config import EXIT_OK
+from worker.gguf_import import gguf_tensor_name
 from worker.hf import hf_tensors
 
 STEPS = 6
@@ -62,8 +64,9 @@ def test_two_processes_reproduce_the_single_process_losses(
     hyper = {"max_steps": STEPS, "eval_every_steps": 1, "export_best": True, "learning_rate": 3e-2}
     hyper |= {"lr_scheduler": "constant", "warmup_steps": 0}
     spec = {"validation_split": 0.05}
-    # The pair also exports a Hugging Face model: each weight gathered from both processes to the first.
-    pair_spec = {**spec, "method": {"type": "full", "export_hf": True}}
+    # The pair also exports a Hugging Face model and a GGUF file: each weight gathered from both processes
+    # to the first.
+    pair_spec = {**spec, "method": {"type": "full", "export_hf": True, "export_gguf": "f32"}}
     pair = [
         start_worker(
             tiny_config(tmp_path / "pair", story_corpus, tiny_tokenizer_path, spec=pair_spec, **hyper),
@@ -116,6 +119,13 @@ def test_two_processes_reproduce_the_single_process_losses(
     assert hf.keys() == expected.keys()
     for name, array in expected.items():
         np.testing.assert_array_equal(hf[name], array, err_msg=name)
+    gguf = {
+        t.name: np.asarray(t.data) for t in GGUFReader(tmp_path / "pair" / "final" / "model-f32.gguf").tensors
+    }
+    for name, array in expected.items():
+        shift = 1 if name.endswith("norm.weight") else 0
+        np.testing.assert_array_equal(gguf.pop(gguf_tensor_name(name.removeprefix("model."))), array + shift)
+    assert not gguf
     # Each process packed its own shard: what process 0 reports is the two shards' sum.
     (pair_data,) = [report for report in parse_reports(outputs[0]) if report["kind"] == "data"]
     (single_data,) = single.of_kind("data")

@@ -65,7 +65,7 @@ def test_real_worker_job_succeeds_with_history_and_checkpoints(  # type: ignore[
     worker_api, story_corpus: Path, tiny_tokenizer_path: Path
 ) -> None:
     api = worker_api()
-    method = {"type": "full", "export_hf": True}
+    method = {"type": "full", "export_hf": True, "export_gguf": "q8_0"}
     job_id = submit(api, story_corpus, tiny_tokenizer_path, steps=12, method=method)
     job = api.wait_for(job_id, lambda j: j["status"] in FINAL, timeout=280)
     assert job["status"] == "succeeded", job
@@ -99,8 +99,14 @@ def test_real_worker_job_succeeds_with_history_and_checkpoints(  # type: ignore[
     # Where the job says its weights are, they are (and nothing where it says none).
     exports = job["exports"]
     assert Path(exports["params"]).is_dir() and (Path(exports["hf"]) / "model.safetensors").is_file()
+    assert Path(exports["gguf"]).read_bytes()[:4] == b"GGUF"
     assert exports["adapter"] is None and exports["hf_adapter"] is None
-    assert sorted(path.name for path in Path(exports["uri"]).iterdir()) == ["export.json", "hf", "params"]
+    assert sorted(path.name for path in Path(exports["uri"]).iterdir()) == [
+        "export.json",
+        "hf",
+        "model-q8_0.gguf",
+        "params",
+    ]
 
     # Another job starts from its weights (its tokenizer too): its loss starts where this one's ended.
     body = {"name": "more", "model": "tiny", "dataset_uri": str(story_corpus), "from_job": job_id}

@@ -22,6 +22,7 @@ from tests.worker.helpers import run_hf
 from worker import gguf_import
 from worker.config import JobSpec
 from worker.data import Message, encode_documents
+from worker.gguf_export import export_gguf
 from worker.gguf_import import (
     GgufImportError,
     gguf_default_path,
@@ -204,6 +205,61 @@ def test_hugging_face_export_of_the_real_model(imported: Imported, tmp_path: Pat
     assert result["texts"] == rows
     (trained,) = encode_documents([chat], tokenizer)
     assert result["chats"] == [trained.tokens.tolist()[:-1]]
+
+
+@pytest.mark.slow
+def test_gguf_export_of_the_real_model_is_what_llama_cpp_writes(imported: Imported, tmp_path: Path) -> None:
+    """The real 270M exported as GGUF (bf16, as a run exports it), from the weights and tokenizer imported
+    from the packaged file, which llama.cpp's converter wrote from Google's release: every hyperparameter,
+    the whole vocabulary (262,144 tokens' text, score and type) and the special ids are that file's; its
+    tensors are that file's, by name and shape; read back, the weights are those exported, bit for bit."""
+    import jax
+    import jax.numpy as jnp
+    from gemma import gm
+
+    tokenizer = Tokenizer.load(gguf_tokenizer_model(imported.gguf, cache_dir=imported.cache_dir))
+    params = jax.tree.map(lambda leaf: leaf.astype(jnp.bfloat16), imported.params["params"])
+    out = tmp_path / "model-bf16.gguf"
+    start = time.perf_counter()
+    export_gguf(
+        params,
+        str(out),
+        config=gm.nn.Gemma3_270M.config,
+        model_name="gemma3-270m-pt",
+        tokenizer=tokenizer,
+        outtype="bf16",
+        name="ft-1",
+    )
+    print(f"\nGGUF export (bf16): {out.stat().st_size / 1e6:.0f} MB in {time.perf_counter() - start:.1f} s")
+
+    theirs, their_tensors = gguf_import._read_gguf(imported.gguf)
+    ours, our_tensors = gguf_import._read_gguf(out)
+    # What only one of them says: the release's description (license, tags), and our chat template.
+    assert ours.keys() - theirs.keys() == {"tokenizer.chat_template"}
+    assert theirs.keys() - ours.keys() == {
+        "general.basename",
+        "general.license",
+        "general.size_label",
+        "general.tags",
+    }
+    assert (ours["general.name"], ours["general.file_type"]) == ("ft-1", 32)  # (theirs: Q4_K_M)
+    for key in sorted(theirs.keys() & ours.keys() - {"general.name", "general.file_type"}):
+        if isinstance(theirs[key], list | np.ndarray):
+            assert np.array_equal(np.asarray(ours[key]), np.asarray(theirs[key])), key
+        else:
+            assert ours[key] == theirs[key], key
+    assert {name: info.shape for name, info in our_tensors.items()} == {
+        name: info.shape for name, info in their_tensors.items()
+    }
+
+    back = gguf_import._convert_params(out, ours, our_tensors)
+    flat = {
+        "/".join(str(getattr(key, "key", key)) for key in path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    assert back.keys() == flat.keys()
+    for name, leaf in flat.items():
+        np.testing.assert_array_equal(back[name], np.asarray(leaf, np.float32), err_msg=name)
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from gemma import gm
+from gguf import GGUFReader
 from safetensors.numpy import load_file
 
 from tests.worker.helpers import (  # noqa: F401
@@ -32,6 +33,7 @@ from worker import model as gemma
 from worker.checkpoint import export_params
 from worker.config import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, Hyperparameters, JobSpec
 from worker.data import TrainData, read_documents
+from worker.gguf_import import gguf_tensor_name
 from worker.hf import export_hf
 from worker.stories import write_txt
 from worker.tokenizer import Tokenizer
@@ -138,7 +140,13 @@ def test_lora_on_a_trained_base_trains_only_the_adapter(
         tiny_tokenizer_path,
         spec={
             "base_checkpoint_uri": str(base_uri),
-            "method": {"type": "lora", "lora_rank": 4, "export_merged": True, "export_hf": True},
+            "method": {
+                "type": "lora",
+                "lora_rank": 4,
+                "export_merged": True,
+                "export_hf": True,
+                "export_gguf": "f32",
+            },
         },
         learning_rate=2e-2,
         max_steps=24,
@@ -185,18 +193,36 @@ def test_lora_on_a_trained_base_trains_only_the_adapter(
     _, logits = run_hf(Path(export["hf"]), tmp_path / "hf-side", tokens=tokens)
     expected = plain.base.apply({"params": merged}, tokens).logits
     np.testing.assert_allclose(logits, expected, atol=2e-4, rtol=1e-4)
+    # export_gguf: the same weights in one GGUF file, as llama.cpp's reader reads it (in float32 exactly
+    # the Hugging Face model's tensors; norms as 1 + scale), named after the job.
+    final = tmp_path / "out" / "final"
+    assert export["gguf"] == str(final / "model-f32.gguf")
+    reader = GGUFReader(export["gguf"])
+    assert reader.fields["general.name"].contents() == "job-1"
+    gguf_tensors = {tensor.name: np.asarray(tensor.data) for tensor in reader.tensors}
+    hf_weights = load_file(final / "hf" / "model.safetensors")
+    for name, array in hf_weights.items():
+        gguf_name = gguf_tensor_name(name.removeprefix("model."))
+        shift = 1 if name.endswith("norm.weight") else 0
+        np.testing.assert_array_equal(gguf_tensors.pop(gguf_name), array + shift, err_msg=name)
+    assert not gguf_tensors
     # worker.convert, run afterwards on that export, writes the same files; on a copy without the merged
     # weights (export_merged off), it merges the adapter into the base weights read again, to the same.
-    final = tmp_path / "out" / "final"
     written = {name: (final / "hf" / name).read_bytes() for name in ("model.safetensors", "config.json")}
     adapter_bytes = (final / "hf_adapter" / "adapter_model.safetensors").read_bytes()
+    gguf_bytes = (final / "model-f32.gguf").read_bytes()
     shutil.rmtree(final / "hf")
+    (final / "model-f32.gguf").unlink()
     assert convert.main([str(final)]) == 0
     assert {name: (final / "hf" / name).read_bytes() for name in written} == written
     assert (final / "hf_adapter" / "adapter_model.safetensors").read_bytes() == adapter_bytes
+    assert not (final / "model-f32.gguf").exists()  # (Hugging Face only, unless asked)
+    assert convert.main([str(final), "--gguf", "f32"]) == 0
+    assert (final / "model-f32.gguf").read_bytes() == gguf_bytes
     unmerged = tmp_path / "unmerged"
-    shutil.copytree(final, unmerged, ignore=shutil.ignore_patterns("params", "hf", "hf_adapter"))
-    trimmed = {key: value for key, value in export.items() if key not in ("params", "hf", "hf_adapter")}
+    shutil.copytree(final, unmerged, ignore=shutil.ignore_patterns("params", "hf", "hf_adapter", "*.gguf"))
+    exports = ("params", "hf", "hf_adapter", "gguf")
+    trimmed = {key: value for key, value in export.items() if key not in exports}
     (unmerged / "export.json").write_text(json.dumps(trimmed))
     assert convert.convert(str(unmerged)) == {
         "hf": str(unmerged / "hf"),

