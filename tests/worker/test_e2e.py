@@ -207,9 +207,16 @@ def test_a_real_worker_killed_fails_the_job_and_resumed_it_goes_on_from_its_chec
 
     api = worker_api()
     # A checkpoint at step 150 of 300 (an epoch is 195 steps: with one, the run had reached its end, and
-    # saved it, before the kill at step 160 landed, on an idle machine).
+    # saved it, before the kill at step 160 landed, on an idle machine). The kill waits for that checkpoint's
+    # commit too (its directory renamed into place): it is written behind training, and on a busy machine
+    # took more than 10 steps.
     job_id = submit(api, story_corpus, tiny_tokenizer_path, steps=300, epochs=2)
-    api.wait_for(job_id, lambda j: j["progress"]["step"] >= 160 or j["status"] in FINAL, timeout=240)
+
+    def past_a_checkpoint(job: dict) -> bool:
+        committed = (Path(job["output_uri"]) / "checkpoints" / "150").is_dir()
+        return (job["progress"]["step"] >= 160 and committed) or job["status"] in FINAL
+
+    api.wait_for(job_id, past_a_checkpoint, timeout=240)
     runner = json.loads((api.settings.jobs_dir / job_id / "runner.json").read_text())["pid"]
     os.killpg(runner, signal.SIGKILL)
     failed = api.wait_for(job_id, lambda j: j["status"] in FINAL, timeout=60)
