@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from api import tpu
 from api.models import Job, JobEvent, as_utc, job_spec, utcnow
 from api.states import JobStatus
-from worker.config import JobSpec
+from worker.config import JobSpec, gguf_file_name
 from worker.protocol import DataFigures
 
 EXAMPLE_JOB: dict[str, Any] = {
@@ -142,7 +142,7 @@ class JobExports(BaseModel):
             adapter=f"{final}/adapter" if lora else None,
             hf=f"{final}/hf" if method.export_hf else None,
             hf_adapter=f"{final}/hf_adapter" if lora and method.export_hf else None,
-            gguf=f"{final}/model-{method.export_gguf}.gguf" if method.export_gguf else None,
+            gguf=f"{final}/{gguf_file_name(method.export_gguf)}" if method.export_gguf else None,
         )
 
 

@@ -52,6 +52,11 @@ GgufType = Literal["f32", "f16", "bf16", "q8_0"]
 GGUF_TYPES: tuple[str, ...] = get_args(GgufType)
 
 
+def gguf_file_name(outtype: str) -> str:
+    """A GGUF export's file name under a job's `{output_uri}/final`: `model-q8_0.gguf`."""
+    return f"model-{outtype}.gguf"
+
+
 class Method(_Strict):
     """Full fine-tune or LoRA."""
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.config import JobSpec
-from worker.gguf_export import export_gguf, gguf_file_name
+from worker.config import JobSpec, gguf_file_name
+from worker.gguf_export import export_gguf
 from worker.hf import export_hf, export_hf_adapter, peft_base
 from worker.tokenizer import Tokenizer
 

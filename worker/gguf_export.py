@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 from gemma import gm
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, Keys, LlamaFileType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, Keys, LlamaFileType, TokenType
 from gguf.quants import quant_shape_to_byte_shape, quantize
 from sentencepiece.sentencepiece_model_pb2 import ModelProto  # type: ignore[attr-defined]
 
@@ -56,25 +56,10 @@ _VERSION = 3
 _ADDED_TOKEN_SCORE = -1000.0
 
 _Piece = ModelProto.SentencePiece
-# llama.cpp's token types (`gguf.TokenType`) are SentencePiece's piece types, numbered alike.
-_TOKEN_TYPES = {
-    _Piece.NORMAL: 1,
-    _Piece.UNKNOWN: 2,
-    _Piece.CONTROL: 3,
-    _Piece.USER_DEFINED: 4,
-    _Piece.UNUSED: 5,
-    _Piece.BYTE: 6,
-}
-_CONTROL, _USER_DEFINED = 3, 4
 # User-defined pieces the converter marks CONTROL: those Gemma's Hugging Face tokenizer lists as special
 # (the turn markers), and those its `does_token_look_special` does (`<unusedN>`, `<mask>`, `<|...|>`).
 _SPECIAL_PIECES = {START_OF_TURN, END_OF_TURN, "<mask>", "<2mass>", "[@BOS@]"}
 _LOOKS_SPECIAL = re.compile(r"<unused\d+>|<\|.*\|>")
-
-
-def gguf_file_name(outtype: str) -> str:
-    """The file's name under a job's `final`: `model-q8_0.gguf`."""
-    return f"model-{outtype}.gguf"
 
 
 def export_gguf(
@@ -161,12 +146,12 @@ def gguf_tokenizer_metadata(tokenizer: Tokenizer) -> list[tuple[str, GGUFValueTy
     proto.ParseFromString(tokenizer.processor.serialized_model_proto())
     tokens, scores, kinds = [], [], []
     for piece in proto.pieces:
-        kind = _TOKEN_TYPES[piece.type]
+        kind = TokenType(piece.type)  # (llama.cpp numbers its token types as SentencePiece its pieces)
         text, score = piece.piece, piece.score
         if piece.type in (_Piece.UNKNOWN, _Piece.CONTROL) or (
             piece.type == _Piece.USER_DEFINED and (text in _SPECIAL_PIECES or _LOOKS_SPECIAL.fullmatch(text))
         ):
-            kind, score = _CONTROL, _ADDED_TOKEN_SCORE
+            kind, score = TokenType.CONTROL, _ADDED_TOKEN_SCORE
         elif piece.type == _Piece.USER_DEFINED:
             text, score = text.replace("▁", " "), _ADDED_TOKEN_SCORE
         tokens.append(text)
