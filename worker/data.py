@@ -1,7 +1,8 @@
 """The input pipeline: read documents, tokenize them once, pack them into rows and serve batches by step.
 
-Documents come from `.txt` (separated by `<|endoftext|>`), `.jsonl` (`{"text": ...}` or chat
-`{"messages": [...]}`) or `.parquet` (a `text` column), on a local path or `gs://bucket/path`.
+Documents come from `.txt` (separated by `<|endoftext|>`), `.jsonl` (`{"text": ...}`, chat
+`{"messages": [...]}` in the shape OpenAI's and Together's fine-tuning take, or `{"prompt": ...,
+"completion": ...}`) or `.parquet` (a `text` column), on a local path or `gs://bucket/path`.
 
 Each document becomes `[bos] + tokens + [eos]`. Documents are shuffled by the seed and dealt to data shards
 (document i of the shuffled order goes to shard i % num_shards); each process tokenizes and packs only its
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 TXT_SEPARATOR = "<|endoftext|>"
 FORMATS = (".txt", ".jsonl", ".parquet")
 CHAT_ROLES = ("user", "model", "system")
+# Other names of a chat role, as OpenAI's and Together's data name them.
+ROLE_ALIASES = {"assistant": "model"}
 ENV_STORAGE_EMULATOR_HOST = "STORAGE_EMULATOR_HOST"
 
 # Independent random streams drawn from the one job seed.
@@ -59,10 +62,19 @@ class DataError(Exception):
 class Message:
     role: str
     content: str
+    trained: bool = True  # (a model turn: whether its reply carries loss; OpenAI's `"weight": 0` is False)
 
 
-# A plain text, or a chat: the messages of one conversation.
-Document = str | tuple[Message, ...]
+@dataclass(frozen=True)
+class Completion:
+    """A prompt and the completion trained on it (a plain text pair; no chat template)."""
+
+    prompt: str
+    completion: str
+
+
+# A plain text, a chat (the messages of one conversation), or a prompt and its completion.
+Document = str | tuple[Message, ...] | Completion
 
 
 # --- Sources ---------------------------------------------------------------------------------------------
@@ -179,19 +191,43 @@ def _parse_jsonl(uri: str, text: str) -> list[Document]:
             ) from error
         if not isinstance(record, dict):
             raise DataError("invalid_jsonl", f"{uri}: line {number} is not a JSON object")
-        if "messages" in record and "text" not in record:
+        kinds = [kind for kind in ("text", "messages", "prompt") if kind in record]
+        if kinds == ["messages"]:
             documents.append(_parse_chat(uri, number, record["messages"]))
-        elif "text" in record and "messages" not in record:
+        elif kinds == ["text"]:
             if not isinstance(record["text"], str):
                 raise DataError("invalid_jsonl", f'{uri}: line {number} has a "text" that is not a string')
             if record["text"].strip():
                 documents.append(record["text"])
+        elif kinds == ["prompt"] and "completion" in record:
+            documents.append(_parse_completion(uri, number, record["prompt"], record["completion"]))
         else:
             raise DataError(
                 "invalid_jsonl",
-                f'{uri}: line {number} needs exactly one of a "text" string or a "messages" list',
+                f'{uri}: line {number} needs exactly one of a "text" string, a "messages" list, or a '
+                '"prompt" and a "completion" string',
             )
     return documents
+
+
+def _parse_completion(uri: str, number: int, prompt: object, completion: object) -> Completion:
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        raise DataError("invalid_jsonl", f'{uri}: line {number}: "prompt" and "completion" must be strings')
+    if not completion.strip():
+        raise DataError("invalid_jsonl", f'{uri}: line {number} has an empty "completion": nothing to train')
+    return Completion(prompt, completion)
+
+
+def _content_text(content: object) -> str | None:
+    """A message's content as text: a string, or OpenAI's list of text parts joined; None if it is neither."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        for part in content
+    ):
+        return "".join(part["text"] for part in content)
+    return None
 
 
 def _parse_chat(uri: str, number: int, messages: object) -> tuple[Message, ...]:
@@ -204,13 +240,23 @@ def _parse_chat(uri: str, number: int, messages: object) -> tuple[Message, ...]:
     for index, message in enumerate(messages, start=1):
         if not isinstance(message, dict):
             raise invalid(f"message {index} is not a JSON object")
-        role, content = message.get("role"), message.get("content")
+        role = message.get("role")
+        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in CHAT_ROLES:
-            hint = " (Gemma calls the assistant 'model')" if role == "assistant" else ""
-            raise invalid(f"message {index} has role {role!r}; use one of {', '.join(CHAT_ROLES)}{hint}")
-        if not isinstance(content, str):
-            raise invalid(f'message {index} needs a "content" string')
-        chat.append(Message(role, content))
+            names = ", ".join([*CHAT_ROLES, *ROLE_ALIASES])
+            raise invalid(f"message {index} has role {message.get('role')!r}; use one of {names}")
+        content = _content_text(message.get("content"))
+        if content is None:
+            raise invalid(
+                f'message {index} needs a "content" string (or a list of {{"type": "text", "text"}} parts)'
+            )
+        weight = message.get("weight", 1)
+        if "weight" in message and (role != "model" or weight not in (0, 1) or isinstance(weight, bool)):
+            raise invalid(
+                f"message {index} has weight {weight!r}; only a model (assistant) message takes a weight, "
+                "0 (not trained) or 1"
+            )
+        chat.append(Message(role, content, trained=weight == 1))
     turns = chat[1:] if chat[0].role == "system" else chat
     for index, message in enumerate(turns):
         expected = "user" if index % 2 == 0 else "model"
@@ -271,12 +317,12 @@ class EncodedDocument:
     trained: np.ndarray | None  # bool per token: trained when it is a target; None: all of them
 
 
-def _render_chat(chat: tuple[Message, ...]) -> list[tuple[str, str]]:
-    """The turns as (role, content), the system message folded into the first user turn as Gemma 3 does."""
+def _render_chat(chat: tuple[Message, ...]) -> list[Message]:
+    """The turns, the system message folded into the first user turn as Gemma 3 does."""
     if chat[0].role != "system":
-        return [(message.role, message.content) for message in chat]
+        return list(chat)
     first = chat[1]
-    return [(first.role, f"{chat[0].content}\n\n{first.content}")] + [(m.role, m.content) for m in chat[2:]]
+    return [Message(first.role, f"{chat[0].content}\n\n{first.content}"), *chat[2:]]
 
 
 def _ids(tokens: list[int]) -> np.ndarray:
@@ -292,24 +338,28 @@ def encode_documents(
     """Tokenize all documents in one multithreaded SentencePiece call and lay out bos/eos and chat turns.
 
     A chat is `<start_of_turn>{role}\\n{content}<end_of_turn>\\n` per turn; only a model turn's content and
-    its `<end_of_turn>` are trained (`train_on_inputs`: every token, as in plain text). A user turn is
-    encoded as one text, as a prompt is at sampling time; a model turn's content is encoded apart from its
-    header, so the trained span starts exactly at the content. Markers are inserted by id, so a tokenizer
-    that has them as control pieces works too.
+    its `<end_of_turn>` are trained (`train_on_inputs`: every token, as in plain text), and not those of a
+    model turn marked untrained (`"weight": 0`), either way. A user turn is encoded as one text, as a prompt
+    is at sampling time; a model turn's content is encoded apart from its header, so the trained span starts
+    exactly at the content. Markers are inserted by id, so a tokenizer that has them as control pieces works
+    too. A prompt and completion is `[bos] + prompt + completion + [eos]`, each encoded apart; the
+    completion and the eos are trained (`train_on_inputs`: the prompt too).
     """
-    rendered = [document if isinstance(document, str) else _render_chat(document) for document in documents]
+    rendered = [_render_chat(document) if isinstance(document, tuple) else document for document in documents]
     texts = [
         text
         for item in rendered
         for text in (
             [item]
             if isinstance(item, str)
-            else [content if role == "model" else f"{role}\n{content}" for role, content in item]
+            else [item.prompt, item.completion]
+            if isinstance(item, Completion)
+            else [turn.content if turn.role == "model" else f"{turn.role}\n{turn.content}" for turn in item]
         )
     ]
     encoded = iter(tokenizer.encode_batch_arrays(texts, num_threads))
     bos, eos = _ids([tokenizer.bos_id]), _ids([tokenizer.eos_id])
-    if any(not isinstance(item, str) for item in rendered):
+    if any(isinstance(item, list) for item in rendered):
         try:
             start, end = _ids([tokenizer.start_of_turn_id]), _ids([tokenizer.end_of_turn_id])
         except TokenizerError as error:
@@ -320,19 +370,26 @@ def encode_documents(
         if isinstance(item, str):
             result.append(EncodedDocument(np.concatenate([bos, next(encoded), eos]), None))
             continue
+        # (each part's tokens, and whether they are trained)
         parts: list[tuple[np.ndarray, bool]] = [(bos, False)]
-        for role, _ in item:
-            if role == "model":
-                turn = [(model_header, False), (next(encoded), True), (end, True)]
-            else:
-                turn = [(next(encoded), False), (end, False)]
-            parts += [(start, False), *turn, (newline, False)]
-        parts.append((eos, False))
+        if isinstance(item, Completion):
+            parts += [(next(encoded), train_on_inputs), (next(encoded), True), (eos, True)]
+        else:
+            for turn in item:
+                if turn.role == "model":
+                    reply = [
+                        (model_header, train_on_inputs),
+                        (next(encoded), turn.trained),
+                        (end, turn.trained),
+                    ]
+                else:
+                    reply = [(next(encoded), train_on_inputs), (end, train_on_inputs)]
+                parts += [(start, train_on_inputs), *reply, (newline, train_on_inputs)]
+            parts.append((eos, train_on_inputs))
         tokens = np.concatenate([part for part, _ in parts])
-        trained = (
-            None if train_on_inputs else np.concatenate([np.full(len(part), flag) for part, flag in parts])
-        )
-        result.append(EncodedDocument(tokens, trained))
+        flags = np.concatenate([np.full(len(part), flag) for part, flag in parts])
+        # (all of them: as plain text; the bos, never a target, does not count)
+        result.append(EncodedDocument(tokens, None if flags[1:].all() else flags))
     return result
 
 

@@ -107,6 +107,63 @@ def test_jsonl_chat_record_is_a_tuple_of_messages(tmp_path: Path) -> None:
     assert chat == tuple(Message(m["role"], m["content"]) for m in CHAT["messages"])
 
 
+def test_openai_chat_records_read_as_gemma_chats(tmp_path: Path, tiny_tokenizer: Tokenizer) -> None:
+    """OpenAI's and Together's chat data as it is: `assistant` is Gemma's `model`, content may be a list of
+    text parts, and an assistant message of `"weight": 0` is not trained (OpenAI's meaning)."""
+    openai = {
+        "messages": [
+            {"role": "system", "content": "Answer briefly."},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Who is "}, {"type": "text", "text": "Amy?"}],
+            },
+            {"role": "assistant", "content": "Amy is a girl.", "weight": 0},
+            {"role": "user", "content": "Where does she live?", "name": "tom"},
+            {"role": "assistant", "content": "In a small house.", "weight": 1},
+        ]
+    }
+    [chat] = read_documents(write(tmp_path / "openai.jsonl", jsonl(openai)))
+    [gemma] = read_documents(write(tmp_path / "gemma.jsonl", jsonl(CHAT)))
+    assert isinstance(chat, tuple) and [(m.role, m.content) for m in chat] == [
+        (m.role, m.content) for m in gemma
+    ]
+    assert [m.trained for m in chat] == [True, True, False, True, True]
+    [weighted], [plain] = encode_documents([chat], tiny_tokenizer), encode_documents([gemma], tiny_tokenizer)
+    assert weighted.tokens.tolist() == plain.tokens.tolist()
+    assert weighted.trained is not None
+    assert tiny_tokenizer.decode(weighted.tokens[weighted.trained]) == "In a small house.<end_of_turn>"
+    # train_on_inputs trains the rest, but not a reply of weight 0.
+    [every] = encode_documents([chat], tiny_tokenizer, train_on_inputs=True)
+    assert every.trained is not None and not every.trained[1:].all()
+    untrained = tiny_tokenizer.decode(every.tokens[1:][~every.trained[1:]])
+    assert untrained == "Amy is a girl.<end_of_turn>"
+
+
+def test_prompt_completion_records_train_the_completion(tmp_path: Path, tiny_tokenizer: Tokenizer) -> None:
+    """`{"prompt", "completion"}` (Together's instruction data, OpenAI's earlier format): bos, the prompt,
+    the completion and eos, each part encoded apart; the completion and eos carry the loss (with
+    train_on_inputs, the prompt too), in packed batches as well."""
+    records = [
+        {"prompt": "Q: Who is Amy?\nA:", "completion": " A girl."},
+        {"prompt": "", "completion": "Hi."},
+    ]
+    documents = read_documents(write(tmp_path / "pairs.jsonl", jsonl(*records)))
+    assert documents == [data.Completion("Q: Who is Amy?\nA:", " A girl."), data.Completion("", "Hi.")]
+    first, second = encode_documents(documents, tiny_tokenizer)
+    bos, eos = tiny_tokenizer.bos_id, tiny_tokenizer.eos_id
+    prompt, completion = tiny_tokenizer.encode("Q: Who is Amy?\nA:"), tiny_tokenizer.encode(" A girl.")
+    assert first.tokens.tolist() == [bos, *prompt, *completion, eos]
+    assert first.trained is not None
+    assert first.trained.tolist() == [False] * (1 + len(prompt)) + [True] * (len(completion) + 1)
+    assert second.trained is None  # (an empty prompt: every target is trained, as in plain text)
+    [every, _] = encode_documents(documents, tiny_tokenizer, train_on_inputs=True)
+    assert every.trained is None
+    # Packed: the trained targets are the completions and their eos, of both (the second's bos is no target).
+    batch = all_rows(documents, tiny_tokenizer, 64)
+    trained_targets = sorted(batch["targets"][batch["loss_mask"] == 1].tolist())
+    assert trained_targets == sorted([*completion, eos, *tiny_tokenizer.encode("Hi."), eos])
+
+
 def test_parquet_text_column_drops_nulls_and_empties(tmp_path: Path) -> None:
     table = pa.table({"text": ["One.", None, "", "Two."], "id": [1, 2, 3, 4]})
     pq.write_table(table, tmp_path / "a.parquet")
@@ -147,21 +204,68 @@ BAD_FILES = [
         "invalid_jsonl",
         'line 1 has a "text" that is not a string',
     ),
-    ("neither.jsonl", jsonl({"prompt": "hi"}).encode(), "invalid_jsonl", 'exactly one of a "text"'),
     (
-        "assistant.jsonl",
-        jsonl(
-            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
-        ).encode(),
+        "neither.jsonl",
+        jsonl({"prompt": "hi"}).encode(),
+        "invalid_jsonl",
+        'exactly one of a "text" string, a "messages" list, or a "prompt" and a "completion" string',
+    ),
+    (
+        "both.jsonl",
+        jsonl({"text": "a", "prompt": "b", "completion": "c"}).encode(),
+        "invalid_jsonl",
+        'line 1 needs exactly one of a "text" string',
+    ),
+    (
+        "prompt_number.jsonl",
+        jsonl({"prompt": 1, "completion": "c"}).encode(),
+        "invalid_jsonl",
+        'line 1: "prompt" and "completion" must be strings',
+    ),
+    (
+        "no_completion.jsonl",
+        jsonl({"prompt": "Q", "completion": " "}).encode(),
+        "invalid_jsonl",
+        'line 1 has an empty "completion": nothing to train',
+    ),
+    (
+        "tool.jsonl",
+        jsonl({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "yo"}]}).encode(),
         "invalid_chat",
-        "line 1: message 2 has role 'assistant'; use one of user, model, system "
-        "(Gemma calls the assistant 'model')",
+        "line 1: message 2 has role 'tool'; use one of user, model, system, assistant",
     ),
     (
         "content.jsonl",
         jsonl({"text": "ok"}, {"messages": [{"role": "user", "content": ["hi"]}]}).encode(),
         "invalid_chat",
-        'line 2: message 1 needs a "content" string',
+        'line 2: message 1 needs a "content" string (or a list of {"type": "text", "text"} parts)',
+    ),
+    (
+        "image.jsonl",
+        jsonl({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}).encode(),
+        "invalid_chat",
+        'message 1 needs a "content" string',
+    ),
+    (
+        "user_weight.jsonl",
+        jsonl(
+            {"messages": [{"role": "user", "content": "a", "weight": 0}, {"role": "model", "content": "b"}]}
+        ).encode(),
+        "invalid_chat",
+        "message 1 has weight 0; only a model (assistant) message takes a weight, 0 (not trained) or 1",
+    ),
+    (
+        "half_weight.jsonl",
+        jsonl(
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": "b", "weight": 0.5},
+                ]
+            }
+        ).encode(),
+        "invalid_chat",
+        "message 2 has weight 0.5",
     ),
     (
         "order.jsonl",
