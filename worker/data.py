@@ -2,7 +2,8 @@
 
 Documents come from `.txt` (separated by `<|endoftext|>`), `.jsonl` (`{"text": ...}`, chat
 `{"messages": [...]}` in the shape OpenAI's and Together's fine-tuning take, or `{"prompt": ...,
-"completion": ...}`) or `.parquet` (a `text` column), on a local path or `gs://bucket/path`.
+"completion": ...}`) or `.parquet` (a `text` column, or `messages`, or `prompt` and `completion`: as those
+records), on a local path or `gs://bucket/path`.
 
 Each document becomes `[bos] + tokens + [eos]`. Documents are shuffled by the seed and dealt to data shards
 (document i of the shuffled order goes to shard i % num_shards); each process tokenizes and packs only its
@@ -193,14 +194,14 @@ def _parse_jsonl(uri: str, text: str) -> list[Document]:
             raise DataError("invalid_jsonl", f"{uri}: line {number} is not a JSON object")
         kinds = [kind for kind in ("text", "messages", "prompt") if kind in record]
         if kinds == ["messages"]:
-            documents.append(_parse_chat(uri, number, record["messages"]))
+            documents.append(_parse_chat(uri, f"line {number}", record["messages"]))
         elif kinds == ["text"]:
             if not isinstance(record["text"], str):
                 raise DataError("invalid_jsonl", f'{uri}: line {number} has a "text" that is not a string')
             if record["text"].strip():
                 documents.append(record["text"])
         elif kinds == ["prompt"] and "completion" in record:
-            documents.append(_parse_completion(uri, number, record["prompt"], record["completion"]))
+            documents.append(_parse_completion(uri, f"line {number}", record["prompt"], record["completion"]))
         else:
             raise DataError(
                 "invalid_jsonl",
@@ -210,11 +211,14 @@ def _parse_jsonl(uri: str, text: str) -> list[Document]:
     return documents
 
 
-def _parse_completion(uri: str, number: int, prompt: object, completion: object) -> Completion:
+def _parse_completion(
+    uri: str, where: str, prompt: object, completion: object, code: str = "invalid_jsonl"
+) -> Completion:
+    """A prompt and completion pair; `where` names its line (or row) in the errors, raised as `code`."""
     if not isinstance(prompt, str) or not isinstance(completion, str):
-        raise DataError("invalid_jsonl", f'{uri}: line {number}: "prompt" and "completion" must be strings')
+        raise DataError(code, f'{uri}: {where}: "prompt" and "completion" must be strings')
     if not completion.strip():
-        raise DataError("invalid_jsonl", f'{uri}: line {number} has an empty "completion": nothing to train')
+        raise DataError(code, f'{uri}: {where} has an empty "completion": nothing to train')
     return Completion(prompt, completion)
 
 
@@ -230,9 +234,11 @@ def _content_text(content: object) -> str | None:
     return None
 
 
-def _parse_chat(uri: str, number: int, messages: object) -> tuple[Message, ...]:
+def _parse_chat(uri: str, where: str, messages: object) -> tuple[Message, ...]:
+    """A chat's messages; `where` names its line (or row) in the errors."""
+
     def invalid(problem: str) -> DataError:
-        return DataError("invalid_chat", f"{uri}: line {number}: {problem}")
+        return DataError("invalid_chat", f"{uri}: {where}: {problem}")
 
     if not isinstance(messages, list) or not messages:
         raise invalid('"messages" must be a non-empty list of {"role", "content"} objects')
@@ -250,13 +256,13 @@ def _parse_chat(uri: str, number: int, messages: object) -> tuple[Message, ...]:
             raise invalid(
                 f'message {index} needs a "content" string (or a list of {{"type": "text", "text"}} parts)'
             )
-        weight = message.get("weight", 1)
-        if "weight" in message and (role != "model" or weight not in (0, 1) or isinstance(weight, bool)):
+        weight = message.get("weight")  # (None: not given; a Parquet struct has the field, null)
+        if weight is not None and (role != "model" or weight not in (0, 1) or isinstance(weight, bool)):
             raise invalid(
                 f"message {index} has weight {weight!r}; only a model (assistant) message takes a weight, "
                 "0 (not trained) or 1"
             )
-        chat.append(Message(role, content, trained=weight == 1))
+        chat.append(Message(role, content, trained=weight != 0))
     turns = chat[1:] if chat[0].role == "system" else chat
     for index, message in enumerate(turns):
         expected = "user" if index % 2 == 0 else "model"
@@ -280,15 +286,29 @@ def _parse_parquet(uri: str, data: bytes) -> list[Document]:
     except pa.ArrowException as error:
         raise DataError("invalid_parquet", f"{uri} is not a readable Parquet file: {error}") from error
     schema = parquet.schema_arrow
-    if "text" not in schema.names:
-        raise DataError(
-            "parquet_no_text_column", f"{uri} has no 'text' column (its columns: {', '.join(schema.names)})"
-        )
-    column_type = schema.field("text").type
-    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
-        raise DataError("parquet_no_text_column", f"{uri} has a 'text' column of {column_type}, not strings")
-    texts = parquet.read(columns=["text"]).column("text").to_pylist()
-    return [text for text in texts if text is not None and text.strip()]
+    if "text" in schema.names:
+        column_type = schema.field("text").type
+        if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+            raise DataError(
+                "parquet_no_text_column", f"{uri} has a 'text' column of {column_type}, not strings"
+            )
+        texts = parquet.read(columns=["text"]).column("text").to_pylist()
+        return [text for text in texts if text is not None and text.strip()]
+    # The shapes Hugging Face datasets store chats and pairs in: as the JSONL records, a row each.
+    if "messages" in schema.names:
+        rows = parquet.read(columns=["messages"]).column("messages").to_pylist()
+        return [_parse_chat(uri, f"row {number}", chat) for number, chat in enumerate(rows, start=1)]
+    if {"prompt", "completion"} <= set(schema.names):
+        table = parquet.read(columns=["prompt", "completion"]).to_pylist()
+        return [
+            _parse_completion(uri, f"row {number}", row["prompt"], row["completion"], "invalid_parquet")
+            for number, row in enumerate(table, start=1)
+        ]
+    raise DataError(
+        "parquet_no_text_column",
+        f"{uri} has no 'text' column, nor a 'messages' one, nor 'prompt' and 'completion' ones (its columns: "
+        f"{', '.join(schema.names)})",
+    )
 
 
 def split_validation(

@@ -164,6 +164,25 @@ def test_prompt_completion_records_train_the_completion(tmp_path: Path, tiny_tok
     assert trained_targets == sorted([*completion, eos, *tiny_tokenizer.encode("Hi."), eos])
 
 
+def test_parquet_chats_and_pairs_read_as_their_jsonl_records(tmp_path: Path) -> None:
+    """Parquet as Hugging Face datasets store chats (a `messages` column of role/content structs, a weight
+    where some have one) and prompt/completion pairs: the same documents as the JSONL records."""
+    given = [dict(message) for message in CHAT["messages"]]
+    given[2] = {"role": "assistant", "content": "Amy is a girl.", "weight": 0}
+    # (a Parquet struct has every field: null where a message has no weight)
+    chats = pa.table({"messages": [[{"weight": None, **m} for m in chat] for chat in (given, given[1:])]})
+    read = read_documents(write(tmp_path / "chats.parquet", _parquet_bytes(chats)))
+    records = jsonl({"messages": given}, {"messages": given[1:]})
+    expected = read_documents(write(tmp_path / "chats.jsonl", records))
+    assert read == expected and len(read) == 2
+    assert isinstance(read[0], tuple) and [m.trained for m in read[0]] == [True, True, False, True, True]
+    pairs = pa.table({"prompt": ["Q: hi\nA:", ""], "completion": [" hello", "Hi."], "id": [1, 2]})
+    assert read_documents(write(tmp_path / "pairs.parquet", _parquet_bytes(pairs))) == [
+        data.Completion("Q: hi\nA:", " hello"),
+        data.Completion("", "Hi."),
+    ]
+
+
 def test_parquet_text_column_drops_nulls_and_empties(tmp_path: Path) -> None:
     table = pa.table({"text": ["One.", None, "", "Two."], "id": [1, 2, 3, 4]})
     pq.write_table(table, tmp_path / "a.parquet")
@@ -296,7 +315,19 @@ BAD_FILES = [
         "no_text.parquet",
         _parquet_bytes(pa.table({"body": ["a"], "id": [1]})),
         "parquet_no_text_column",
-        "no 'text' column (its columns: body, id)",
+        "no 'text' column, nor a 'messages' one, nor 'prompt' and 'completion' ones (its columns: body, id)",
+    ),
+    (
+        "empty_completion.parquet",
+        _parquet_bytes(pa.table({"prompt": ["Q", "R"], "completion": ["A", ""]})),
+        "invalid_parquet",
+        'row 2 has an empty "completion"',
+    ),
+    (
+        "bad_chat.parquet",
+        _parquet_bytes(pa.table({"messages": [[{"role": "user", "content": "a"}]]})),
+        "invalid_chat",
+        "row 1: there is no model turn to train on",
     ),
     (
         "int_text.parquet",
