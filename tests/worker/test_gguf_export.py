@@ -114,8 +114,10 @@ def test_each_type_reads_back_within_its_precision(
             GGMLQuantizationType.BF16: 2**-8,
             GGMLQuantizationType.Q8_0: 1 / 127,
         }[tensor.tensor_type]
-        # (relative to each value for the floats; to each 32-value block's largest for q8_0)
-        scale = np.abs(want) if tensor.tensor_type != GGMLQuantizationType.Q8_0 else np.abs(want).max()
+        # (relative to each value for the floats; to the largest of its 32-value block for q8_0)
+        scale = np.abs(want)
+        if tensor.tensor_type == GGMLQuantizationType.Q8_0:
+            scale = np.repeat(scale.reshape(-1, 32).max(axis=1), 32).reshape(want.shape)
         assert np.all(np.abs(got - want) <= tolerance * scale + 1e-7), (tensor.name, tensor.tensor_type)
     if qtype == GGMLQuantizationType.Q8_0:
         assert kinds == {GGMLQuantizationType.Q8_0, GGMLQuantizationType.F16}
