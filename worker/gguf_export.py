@@ -137,7 +137,13 @@ def gguf_metadata(
         (Keys.General.FILE_TYPE, u32, int(file_type)),
     ]
     entries += [(key.format(arch=ARCHITECTURE), kind, value) for key, (kind, value) in llm.items()]
-    return entries + gguf_tokenizer_metadata(tokenizer)
+    entries += gguf_tokenizer_metadata(tokenizer)
+    end_of_turn = tokenizer.piece_to_id(END_OF_TURN)
+    if model_name.endswith("-it") and end_of_turn is not None:
+        # An instruction-tuned model ends its turn with <end_of_turn> (as the Hugging Face export's eos list
+        # says): llama.cpp stops there (it also finds the piece by name; this says so outright).
+        entries.append((Keys.Tokenizer.EOT_ID, GGUFValueType.UINT32, end_of_turn))
+    return entries
 
 
 def gguf_tokenizer_metadata(tokenizer: Tokenizer) -> list[tuple[str, GGUFValueType, Any]]:

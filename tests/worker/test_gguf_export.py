@@ -149,6 +149,10 @@ def test_official_sizes_are_built_as_llama_cpp_assumes(size: str, tiny_tokenizer
         )
     }
     assert metadata["gemma3.block_count"] == config.num_layers
+    # (an instruction-tuned model's turn ends at <end_of_turn>; a pretrained one's file names no such token)
+    assert metadata["tokenizer.ggml.eot_token_id"] == tiny_tokenizer.end_of_turn_id
+    pretrained = gguf_metadata(config, "gemma3-1b-pt", tiny_tokenizer, file_type=OUTTYPES["f16"][1], name="x")
+    assert "tokenizer.ggml.eot_token_id" not in {key for key, _, _ in pretrained}
     assert metadata["gemma3.attention.key_length"] == config.head_dim
     assert metadata["gemma3.attention.sliding_window"] == config.sliding_window_size
     assert metadata["gemma3.context_length"] == (32_768 if size in ("270M", "1B") else 131_072)
