@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import json
@@ -21,6 +22,7 @@ from api.cli import (
     hf_line,
     interruptions_line,
     main,
+    parser,
     progress_line,
     queue_place,
     usage_line,
@@ -30,6 +32,7 @@ from api.jobs import transition
 from api.models import Job, utcnow
 from api.settings import Settings
 from api.states import JobStatus
+from worker.config import GGUF_TYPES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,6 +106,10 @@ def test_submit_follow_status_events_checkpoints(live_api, dataset: Path, capsys
         "export_gguf": "q8_0",
     }
     assert more["spec"]["base_checkpoint_uri"] == f"{job['output_uri']}/final/params"
+    # A GGUF type the spec does not take: the API's sentence names those it does (the CLI does not check).
+    code, _, err = run(api, capsys, "submit", str(spec), "--export-gguf", "q4_k_m")
+    assert code == 3 and all(f"'{kind}'" in err for kind in GGUF_TYPES), err
+    assert all(kind in _submit_help() for kind in GGUF_TYPES)
     code, _, err = run(api, capsys, "submit", str(spec), "--from-job", "ft-nowhere")
     assert code == 3 and "there is no job ft-nowhere of your team. (from_job_not_found)" in err
     code, _, err = run(api, capsys, "submit", str(spec), "--from-job", job_id, "--from-step", "3")
@@ -380,6 +387,12 @@ def test_progress_line(job: dict, expected: str) -> None:
 )
 def test_exported_note(exported: int | None, expected: str) -> None:
     assert exported_note({"exported_step": exported, "progress": {"step": 40}}) == expected
+
+
+def _submit_help() -> str:
+    """`tputune submit --help`."""
+    subcommands = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return subcommands.choices["submit"].format_help()
 
 
 def test_gguf_line() -> None:
