@@ -45,6 +45,43 @@ def demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def check_data(args: argparse.Namespace) -> int:
+    """What a dataset holds and packs into, read and tokenized as a job would (needs the worker extra)."""
+    try:
+        from worker.data import DataError, read_documents, summarize
+        from worker.tokenizer import OFFICIAL_TOKENIZER_URI, Tokenizer, TokenizerError
+    except ImportError as error:
+        print(f"tputune check-data needs the worker's packages (pip install 'tputune[worker]'): {error}")
+        return 2
+    try:
+        documents = read_documents(args.dataset)
+        tokenizer = Tokenizer.load(args.tokenizer or OFFICIAL_TOKENIZER_URI)
+        summary = summarize(documents, tokenizer, args.max_seq_len, args.train_on_inputs)
+    except DataError as error:
+        print(f"error: {error.message} ({error.code})", file=sys.stderr)
+        return 3
+    except TokenizerError as error:
+        print(f"error: {error} (bad_tokenizer)", file=sys.stderr)
+        return 3
+    stats, lengths = summary.stats, sorted(summary.lengths)
+    kinds = [
+        (summary.texts, "text"),
+        (summary.chats, "chat"),
+        (summary.completions, "prompt/completion pair"),
+    ]
+    said = ", ".join(f"{n:,} {what}{'s' if n != 1 else ''}" for n, what in kinds if n)
+    print(f"{args.dataset}: {stats.documents:,} documents ({said})")
+    share = stats.target_tokens / stats.tokens if stats.tokens else 0.0
+    print(
+        f"  tokens: {stats.tokens:,}, trained {stats.target_tokens:,} ({share:.1%}); per document median "
+        f"{lengths[len(lengths) // 2]:,}, longest {lengths[-1]:,}"
+    )
+    cut = summary.cut
+    longer = f"; {cut:,} document{'s' if cut != 1 else ''} longer than a row, packed in pieces" if cut else ""
+    print(f"  max_seq_len {args.max_seq_len}: {stats.rows:,} rows, {stats.pad_fraction:.1%} padding{longer}")
+    return 0
+
+
 # --- client side ---
 
 
@@ -997,6 +1034,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--since", help="from (ISO 8601, e.g. 2026-11-01)")
     p.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
     p.set_defaults(func=audit)
+
+    p = commands.add_parser(
+        "check-data", help="read and tokenize a dataset as a job would: its records, tokens and rows"
+    )
+    p.add_argument("dataset", help="a .txt, .jsonl or .parquet file (or gs:// URI)")
+    p.add_argument("--tokenizer", help="a SentencePiece .model (default: the official Gemma 3 one, gs://)")
+    p.add_argument("--max-seq-len", type=int, default=512, help="the job's max_seq_len (default 512)")
+    p.add_argument(
+        "--train-on-inputs", action="store_true", help="as the hyperparameter: every token trained"
+    )
+    p.set_defaults(func=check_data)
 
     p = commands.add_parser("demo", help="fine-tune Gemma 3 270M on generated stories, end to end")
     p.add_argument("--port", type=int, default=8765)

@@ -774,3 +774,34 @@ def load_train_data(
     return train, None if validation is None else EvalData(
         validation, *settings, train_on_inputs=hyper.train_on_inputs
     )
+
+
+@dataclass(frozen=True)
+class DatasetSummary:
+    """What a dataset is, by kind of record, and what it packs into (`tputune check-data`)."""
+
+    texts: int
+    chats: int
+    completions: int  # prompt/completion pairs
+    lengths: list[int]  # each document's tokens, bos and eos included
+    stats: DataStats  # packed into rows of max_seq_len + 1 tokens, as one process of a job packs them
+
+    @property
+    def cut(self) -> int:
+        """Documents longer than a row: packed in pieces."""
+        return sum(length > self.stats.row_len for length in self.lengths)
+
+
+def summarize(
+    documents: Sequence[Document], tokenizer: Tokenizer, max_seq_len: int, train_on_inputs: bool = False
+) -> DatasetSummary:
+    """The documents' kinds, tokens and trained tokens, packed as one process of a job of `max_seq_len`
+    packs them (its validation data: all of them, in the order of seed 0)."""
+    packed = EvalData(documents, tokenizer, max_seq_len, 1, 0, [0], 1, train_on_inputs=train_on_inputs)
+    return DatasetSummary(
+        texts=sum(isinstance(document, str) for document in documents),
+        chats=sum(isinstance(document, tuple) for document in documents),
+        completions=sum(isinstance(document, Completion) for document in documents),
+        lengths=[len(document.tokens) for document in encode_documents(documents, tokenizer)],
+        stats=packed.stats,
+    )

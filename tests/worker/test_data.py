@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from api import cli
 from tests.support.gcs import GcsEmulator
 from worker import data
 from worker.config import JobSpec
@@ -181,6 +182,40 @@ def test_parquet_chats_and_pairs_read_as_their_jsonl_records(tmp_path: Path) -> 
         data.Completion("Q: hi\nA:", " hello"),
         data.Completion("", "Hi."),
     ]
+
+
+def test_check_data_says_what_a_dataset_holds_and_packs_into(
+    tmp_path: Path, tiny_tokenizer_path: Path, tiny_tokenizer: Tokenizer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tputune check-data`: the records by kind, tokens and trained tokens, and the rows a job of that
+    max_seq_len packs them into, as the job's own pipeline counts them; bad data: its code and sentence."""
+    records = [
+        CHAT,
+        {"prompt": "Q: hi\nA:", "completion": " hello"},
+        *({"text": s} for s in generate_stories(6, 1)),
+    ]
+    uri = write(tmp_path / "mixed.jsonl", jsonl(*records))
+    args = ["check-data", uri, "--tokenizer", str(tiny_tokenizer_path), "--max-seq-len", "64"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    documents = read_documents(uri)
+    stats = EvalData(documents, tiny_tokenizer, 64, 1, 0, [0], 1).stats
+    assert out.startswith(f"{uri}: 8 documents (6 texts, 1 chat, 1 prompt/completion pair)\n")
+    share = stats.target_tokens / stats.tokens
+    assert f"  tokens: {stats.tokens:,}, trained {stats.target_tokens:,} ({share:.1%});" in out
+    assert f"  max_seq_len 64: {stats.rows:,} rows, {stats.pad_fraction:.1%} padding" in out
+    longer = sum(len(d.tokens) > 65 for d in encode_documents(documents, tiny_tokenizer))
+    assert longer > 0 and f"; {longer} documents longer than a row, packed in pieces" in out
+    # train_on_inputs trains the chat's user turn and the prompt too.
+    assert cli.main([*args, "--train-on-inputs"]) == 0
+    every = EvalData(documents, tiny_tokenizer, 64, 1, 0, [0], 1, train_on_inputs=True).stats
+    assert every.target_tokens > stats.target_tokens
+    assert f"trained {every.target_tokens:,} " in capsys.readouterr().out
+    bad = write(tmp_path / "bad.jsonl", jsonl({"messages": [{"role": "tool", "content": "x"}]}))
+    assert cli.main(["check-data", bad, "--tokenizer", str(tiny_tokenizer_path)]) == 3
+    assert "message 1 has role 'tool'; use one of user, model, system, assistant (invalid_chat)" in (
+        capsys.readouterr().err
+    )
 
 
 def test_parquet_text_column_drops_nulls_and_empties(tmp_path: Path) -> None:
