@@ -51,7 +51,7 @@ def check_data(args: argparse.Namespace) -> int:
         from worker.data import DataError, read_documents, summarize
         from worker.tokenizer import OFFICIAL_TOKENIZER_URI, Tokenizer, TokenizerError
     except ImportError as error:
-        print(f"tputune check-data needs the worker's packages (pip install 'tputune[worker]'): {error}")
+        print(f"tputune check-data needs the worker's packages (the worker extra): {error}", file=sys.stderr)
         return 2
     try:
         documents = read_documents(args.dataset)
