@@ -48,20 +48,35 @@ def demo(args: argparse.Namespace) -> int:
 def check_data(args: argparse.Namespace) -> int:
     """What a dataset holds and packs into, read and tokenized as a job would (needs the worker extra)."""
     try:
+        from pydantic import ValidationError
+
+        from worker.config import Hyperparameters
         from worker.data import DataError, read_documents, summarize
-        from worker.tokenizer import OFFICIAL_TOKENIZER_URI, Tokenizer, TokenizerError
+        from worker.gguf_import import gguf_tokenizer_model
+        from worker.tokenizer import OFFICIAL_TOKENIZER_URI, Tokenizer
     except ImportError as error:
         print(f"tputune check-data needs the worker's packages (the worker extra): {error}", file=sys.stderr)
         return 2
     try:
+        Hyperparameters(max_seq_len=args.max_seq_len)  # (the bounds a job's spec has)
+    except ValidationError as error:
+        print(f"error: --max-seq-len: {error.errors()[0]['msg']}", file=sys.stderr)
+        return 2
+    try:
         documents = read_documents(args.dataset)
-        tokenizer = Tokenizer.load(args.tokenizer or OFFICIAL_TOKENIZER_URI)
-        summary = summarize(documents, tokenizer, args.max_seq_len, args.train_on_inputs)
     except DataError as error:
         print(f"error: {error.message} ({error.code})", file=sys.stderr)
         return 3
-    except TokenizerError as error:
-        print(f"error: {error} (bad_tokenizer)", file=sys.stderr)
+    source = args.tokenizer or OFFICIAL_TOKENIZER_URI
+    try:
+        tokenizer = Tokenizer.load(gguf_tokenizer_model(source) if source.endswith(".gguf") else source)
+    except Exception as error:  # (a missing file, not a SentencePiece model, storage that does not answer)
+        print(f"error: cannot read the tokenizer {source}: {error} (bad_tokenizer)", file=sys.stderr)
+        return 3
+    try:
+        summary = summarize(documents, tokenizer, args.max_seq_len, args.train_on_inputs)
+    except DataError as error:
+        print(f"error: {error.message} ({error.code})", file=sys.stderr)
         return 3
     stats, lengths = summary.stats, sorted(summary.lengths)
     kinds = [
@@ -1039,10 +1054,13 @@ def parser() -> argparse.ArgumentParser:
         "check-data", help="read and tokenize a dataset as a job would: its records, tokens and rows"
     )
     p.add_argument("dataset", help="a .txt, .jsonl or .parquet file (or gs:// URI)")
-    p.add_argument("--tokenizer", help="a SentencePiece .model (default: the official Gemma 3 one, gs://)")
+    p.add_argument(
+        "--tokenizer",
+        help="a SentencePiece .model or a .gguf file (default: the official Gemma 3 one, gs://)",
+    )
     p.add_argument("--max-seq-len", type=int, default=512, help="the job's max_seq_len (default 512)")
     p.add_argument(
-        "--train-on-inputs", action="store_true", help="as the hyperparameter: every token trained"
+        "--train-on-inputs", action="store_true", help="as the hyperparameter: the inputs trained too"
     )
     p.set_defaults(func=check_data)
 

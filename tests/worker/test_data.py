@@ -211,6 +211,10 @@ def test_check_data_says_what_a_dataset_holds_and_packs_into(
     every = EvalData(documents, tiny_tokenizer, 64, 1, 0, [0], 1, train_on_inputs=True).stats
     assert every.target_tokens > stats.target_tokens
     assert f"trained {every.target_tokens:,} " in capsys.readouterr().out
+    assert cli.main([*args[:-1], "4"]) == 2
+    assert "error: --max-seq-len: Input should be greater than or equal to 8" in capsys.readouterr().err
+    assert cli.main([*args[:2], "--tokenizer", uri]) == 3
+    assert f"error: cannot read the tokenizer {uri}: " in capsys.readouterr().err
     bad = write(tmp_path / "bad.jsonl", jsonl({"messages": [{"role": "tool", "content": "x"}]}))
     assert cli.main(["check-data", bad, "--tokenizer", str(tiny_tokenizer_path)]) == 3
     assert "message 1 has role 'tool'; use one of user, model, system, assistant (invalid_chat)" in (
