@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -77,9 +78,17 @@ def export_gguf(
 
     Every JAX process must call it (the tensors are gathered collectively); the first one writes."""
     qtype, file_type = OUTTYPES[outtype]
+    vocab = tokenizer.vocab_size
+
+    def tensors(tree: Params) -> Iterator[tuple[str, Any]]:
+        """transformers' tensors, the embedding's rows past the vocabulary dropped (a tokenizer may have
+        fewer pieces than the model embeds): llama.cpp wants a row per token, and its converter drops them."""
+        for name, array in hf_tensors(tree, config):
+            yield name, array[:vocab] if name == "model.embed_tokens.weight" else array
+
     infos = [
         (gguf_tensor_name(name.removeprefix("model.")), leaf.shape, _tensor_type(name, leaf.shape, qtype))
-        for name, leaf in abstract_tensors(lambda tree: hf_tensors(tree, config), params)
+        for name, leaf in abstract_tensors(tensors, params)
     ]
     writer = jax.process_index() == 0
     metadata = gguf_metadata(config, model_name, tokenizer, file_type=file_type, name=name or model_name)
@@ -90,7 +99,7 @@ def export_gguf(
     try:
         if handle is not None:
             handle.write(_header(metadata, infos))
-        for (hf_name, array), (_, shape, kind) in zip(hf_tensors(params, config), infos, strict=True):
+        for (hf_name, array), (_, shape, kind) in zip(tensors(params), infos, strict=True):
             host = gathered(array)
             if handle is None:
                 continue

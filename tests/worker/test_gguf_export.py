@@ -162,6 +162,22 @@ def test_official_sizes_are_built_as_llama_cpp_assumes(size: str, tiny_tokenizer
     assert metadata.get("gemma3.rope.scaling.type") == ("linear" if scaled else None)
 
 
+def test_the_embedding_has_a_row_per_token(tmp_path: Path, tiny_tokenizer: Tokenizer) -> None:
+    """A model that embeds more rows than its tokenizer has pieces (a job allows it): the file has a row
+    per token, as llama.cpp wants and its converter writes, the first rows of the embedding."""
+    config = gemma.tiny_config(tiny_tokenizer.vocab_size + 24)
+    params = _random_params(config, 7)
+    out = tmp_path / "model-f32.gguf"
+    export_gguf(params, str(out), config=config, model_name="tiny", tokenizer=tiny_tokenizer, outtype="f32")
+    reader = GGUFReader(out)
+    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == tiny_tokenizer.vocab_size
+    np.testing.assert_array_equal(
+        np.asarray(embedding.data),
+        np.asarray(params["embedder"]["input_embedding"])[: tiny_tokenizer.vocab_size],
+    )
+
+
 def test_types_are_the_specs() -> None:
     assert tuple(OUTTYPES) == GGUF_TYPES
 
