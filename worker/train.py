@@ -492,6 +492,12 @@ class _Run:
         """What the data came to, summed over the processes (each read and packed its own shards)."""
         train = summed(self.train_data.stats)
         held_out = summed(self.eval_data.stats) if self.eval_data else None
+        if train.target_tokens == 0:  # (only chats can: every reply of weight 0, inputs untrained)
+            raise DataError(
+                "no_trained_tokens",
+                "the training data has no token to train on: every model (assistant) reply has weight 0; "
+                "give some replies weight 1, or set train_on_inputs to train on the rest",
+            )
         self.reporter.send(
             DataReport(
                 documents=train.documents,

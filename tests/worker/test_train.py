@@ -35,7 +35,7 @@ from worker.config import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, 
 from worker.data import TrainData, read_documents
 from worker.gguf_import import gguf_tensor_name
 from worker.hf import export_hf
-from worker.stories import write_txt
+from worker.stories import generate_stories, write_txt
 from worker.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("compile_cache")
@@ -542,6 +542,34 @@ def test_bad_data_fails_before_compiling(tmp_path: Path, tiny_tokenizer_path: Pa
     (error,) = recorder.of_kind("error")
     assert error.code == "dataset_not_found" and "missing.txt" in error.message
     assert not [s for s in recorder.of_kind("status") if s.phase == "compiling"]
+
+
+def test_chats_with_no_reply_to_train_fail_before_compiling(
+    tmp_path: Path, tiny_tokenizer_path: Path
+) -> None:
+    """Every assistant reply of weight 0 and the inputs untrained: nothing to train on, said before any
+    compiling (not a run whose loss is 0 over no tokens); with train_on_inputs, the inputs are trained."""
+    chats = [
+        {
+            "messages": [
+                {"role": "user", "content": story},
+                {"role": "assistant", "content": "Yes.", "weight": 0},
+            ]
+        }
+        for story in generate_stories(200, 3)
+    ]
+    dataset = tmp_path / "chats.jsonl"
+    dataset.write_text("".join(json.dumps(chat) + "\n" for chat in chats))
+    recorder = Recorder()
+    config = tiny_config(tmp_path / "out", dataset, tiny_tokenizer_path)
+    assert train.run(config, recorder, TEST_OPTIONS) == EXIT_BAD_INPUT
+    (error,) = recorder.of_kind("error")
+    assert error.code == "no_trained_tokens" and "every model (assistant) reply has weight 0" in error.message
+    assert not [s for s in recorder.of_kind("status") if s.phase == "compiling"]
+    hyper = {**config.spec.hyperparameters.model_dump(), "train_on_inputs": True}
+    inputs = config.spec.model_copy(update={"hyperparameters": Hyperparameters.model_validate(hyper)})
+    stats = train.load_data(inputs, Tokenizer.load(tiny_tokenizer_path), 1)[0].stats
+    assert stats.target_tokens > stats.tokens / 2
 
 
 def test_an_internal_error_says_where_it_came_from(
