@@ -548,7 +548,8 @@ def test_chats_with_no_reply_to_train_fail_before_compiling(
     tmp_path: Path, tiny_tokenizer_path: Path
 ) -> None:
     """Every assistant reply of weight 0 and the inputs untrained: nothing to train on, said before any
-    compiling (not a run whose loss is 0 over no tokens); with train_on_inputs, the inputs are trained."""
+    compiling (not a run whose loss is 0 over no tokens), in training or validation data; with
+    train_on_inputs, the inputs are trained."""
     chats = [
         {
             "messages": [
@@ -566,6 +567,16 @@ def test_chats_with_no_reply_to_train_fail_before_compiling(
     (error,) = recorder.of_kind("error")
     assert error.code == "no_trained_tokens" and "every model (assistant) reply has weight 0" in error.message
     assert not [s for s in recorder.of_kind("status") if s.phase == "compiling"]
+    # Nor validation data whose replies all have weight 0: its eval loss would be 0 over nothing.
+    stories = tmp_path / "stories.txt"
+    write_txt(stories, generate_stories(200, 4))
+    held_out = tiny_config(
+        tmp_path / "out", stories, tiny_tokenizer_path, spec={"validation_uri": str(dataset)}
+    )
+    recorder = Recorder()
+    assert train.run(held_out, recorder, TEST_OPTIONS) == EXIT_BAD_INPUT
+    (error,) = recorder.of_kind("error")
+    assert error.code == "no_trained_tokens" and error.message.startswith("the validation data has no token")
     hyper = {**config.spec.hyperparameters.model_dump(), "train_on_inputs": True}
     inputs = config.spec.model_copy(update={"hyperparameters": Hyperparameters.model_validate(hyper)})
     stats = train.load_data(inputs, Tokenizer.load(tiny_tokenizer_path), 1)[0].stats
