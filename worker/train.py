@@ -493,13 +493,15 @@ class _Run:
         train = summed(self.train_data.stats)
         held_out = summed(self.eval_data.stats) if self.eval_data else None
         # (only chats can have none: every reply of weight 0, the inputs untrained)
-        for what, figures in (("training", train), ("validation", held_out)):
+        for what, figures in (
+            ("training data has no token to train on", train),
+            ("validation data has no token to evaluate", held_out),
+        ):
             if figures is not None and figures.target_tokens == 0:
                 raise DataError(
                     "no_trained_tokens",
-                    f"the {what} data has no token to {'train on' if what == 'training' else 'evaluate'}: "
-                    "every model (assistant) reply has weight 0; give some replies weight 1, or set "
-                    "train_on_inputs to train on the rest",
+                    f"the {what}: every model (assistant) reply has weight 0; give some replies weight 1, or "
+                    "set train_on_inputs to train on the rest",
                 )
         self.reporter.send(
             DataReport(
