@@ -51,7 +51,7 @@ def check_data(args: argparse.Namespace) -> int:
         from pydantic import ValidationError
 
         from worker.config import Hyperparameters
-        from worker.data import DataError, read_documents, summarize
+        from worker.data import DataError, Preference, check_objective, read_documents, summarize
         from worker.gguf_import import gguf_tokenizer_model
         from worker.tokenizer import OFFICIAL_TOKENIZER_URI, Tokenizer
     except ImportError as error:
@@ -64,6 +64,8 @@ def check_data(args: argparse.Namespace) -> int:
         return 2
     try:
         documents = read_documents(args.dataset)
+        dpo = any(isinstance(document, Preference) for document in documents)
+        check_objective(documents, args.dataset, "dpo" if dpo else "sft")
     except DataError as error:
         print(f"error: {error.message} ({error.code})", file=sys.stderr)
         return 3
@@ -73,6 +75,9 @@ def check_data(args: argparse.Namespace) -> int:
     except Exception as error:  # (a missing file, not a SentencePiece model, storage that does not answer)
         print(f"error: cannot read the tokenizer {source}: {error} (bad_tokenizer)", file=sys.stderr)
         return 3
+    if dpo and args.train_on_inputs:
+        print("error: --train-on-inputs: preference pairs train on their replies alone", file=sys.stderr)
+        return 2
     try:
         summary = summarize(documents, tokenizer, args.max_seq_len, args.train_on_inputs)
     except DataError as error:
@@ -83,16 +88,21 @@ def check_data(args: argparse.Namespace) -> int:
         (summary.texts, "text"),
         (summary.chats, "chat"),
         (summary.completions, "prompt/completion pair"),
+        (summary.preferences, "preference pair"),
     ]
     said = ", ".join(f"{n:,} {what}{'s' if n != 1 else ''}" for n, what in kinds if n)
-    print(f"{args.dataset}: {stats.documents:,} documents ({said})")
+    # (a preference pair: both replies with their prompt; its replies' tokens are the ones compared)
+    unit, trained, pieces = (
+        ("pair", "scored", "its replies cut short") if dpo else ("document", "trained", "packed in pieces")
+    )
+    print(f"{args.dataset}: {stats.documents:,} {'records' if dpo else 'documents'} ({said})")
     share = stats.target_tokens / stats.tokens if stats.tokens else 0.0
     print(
-        f"  tokens: {stats.tokens:,}, trained {stats.target_tokens:,} ({share:.1%}); per document median "
+        f"  tokens: {stats.tokens:,}, {trained} {stats.target_tokens:,} ({share:.1%}); per {unit} median "
         f"{lengths[len(lengths) // 2]:,}, longest {lengths[-1]:,}"
     )
     cut = summary.cut
-    longer = f"; {cut:,} document{'s' if cut != 1 else ''} longer than a row, packed in pieces" if cut else ""
+    longer = f"; {cut:,} {unit}{'s' if cut != 1 else ''} longer than a row, {pieces}" if cut else ""
     print(f"  max_seq_len {args.max_seq_len}: {stats.rows:,} rows, {stats.pad_fraction:.1%} padding{longer}")
     return 0
 

@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     def eval_loss(params) -> float:
         total, count = 0.0, 0.0
         for batch in eval_batches:
-            s, c, _ = eval_fn(params, {}, batch)
+            s, c, *_ = eval_fn(params, {}, batch)
             total, count = total + float(s), count + float(c)
         return total / count
 

@@ -57,10 +57,25 @@ def gguf_file_name(outtype: str) -> str:
     return f"model-{outtype}.gguf"
 
 
+DEFAULT_DPO_BETA = 0.1
+
+
 class Method(_Strict):
-    """Full fine-tune or LoRA."""
+    """Full fine-tune or LoRA; supervised or on preferences (DPO)."""
 
     type: Literal["full", "lora"] = "full"
+    objective: Literal["sft", "dpo"] = Field(
+        default="sft",
+        description="`sft`: learn the data's texts, replies and completions (supervised fine-tuning). `dpo`: "
+        "learn which of two replies to a prompt is preferred (Direct Preference Optimization, as OpenAI's "
+        "and Together's `dpo` method): the data holds preference pairs, the loss and accuracy are the "
+        "pairs', measured against the weights the job starts from.",
+    )
+    dpo_beta: Annotated[float, Field(gt=0, le=10)] | None = Field(
+        default=None,
+        description="DPO only: how far the model may move from the weights it starts from to follow the "
+        "preferences (lower: further); default 0.1.",
+    )
     lora_rank: Annotated[int, Field(ge=1, le=1024)] | None = Field(
         default=None, description="LoRA rank; default 8 for `lora`, must be unset for `full`."
     )
@@ -91,6 +106,13 @@ class Method(_Strict):
                 raise ValueError("export_merged is only valid with method type 'lora'")
         elif self.lora_rank is None:
             self.lora_rank = 8
+        if self.objective == "sft" and self.dpo_beta is not None:
+            raise PydanticCustomError(
+                "conflicting_fields",
+                "dpo_beta is only valid with objective 'dpo': drop it, or set objective dpo",
+            )
+        if self.objective == "dpo" and self.dpo_beta is None:
+            self.dpo_beta = DEFAULT_DPO_BETA
         return self
 
 
@@ -417,6 +439,12 @@ class JobSpec(_Strict):
                 "from_step_needs_from_job", "from_step is a step of the job from_job names: give from_job too"
             )
         hyper = self.hyperparameters
+        if self.method.objective == "dpo" and hyper.train_on_inputs:
+            raise PydanticCustomError(
+                "conflicting_fields",
+                "train_on_inputs trains on the prompts, and a dpo job compares replies to the same prompt: "
+                "drop train_on_inputs, or use objective sft",
+            )
         evals = (self.validation_uri is not None or self.validation_split is not None) and (
             hyper.eval_every_steps is not None or hyper.n_evals is not None
         )

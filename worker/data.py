@@ -74,8 +74,33 @@ class Completion:
     completion: str
 
 
-# A plain text, a chat (the messages of one conversation), or a prompt and its completion.
-Document = str | tuple[Message, ...] | Completion
+@dataclass(frozen=True)
+class Preference:
+    """A prompt and two replies to it, `chosen` preferred to `rejected` (a dpo job's data). The prompt is a
+    chat's messages up to the reply (the last one a user turn), or a plain text."""
+
+    prompt: tuple[Message, ...] | str
+    chosen: str
+    rejected: str
+
+    def documents(self) -> tuple[PlainDocument, PlainDocument]:
+        """The prompt with each reply, as the documents a job encodes: only the reply is trained (scored)."""
+        if isinstance(self.prompt, str):
+            return Completion(self.prompt, self.chosen), Completion(self.prompt, self.rejected)
+        # (a model turn within the prompt is context: the reply alone is compared)
+        context = tuple(Message(m.role, m.content, trained=False) for m in self.prompt)
+        return (*context, Message("model", self.chosen)), (*context, Message("model", self.rejected))
+
+
+# A plain text, a chat (the messages of one conversation), a prompt and its completion, or a preference.
+PlainDocument = str | tuple[Message, ...] | Completion
+Document = PlainDocument | Preference
+
+# The record shapes of preference data, for the errors that name them.
+PREFERENCE_SHAPES = (
+    '{"input": {"messages": [...]}, "preferred_output": [...], "non_preferred_output": [...]} (OpenAI\'s), '
+    'or {"prompt", "chosen", "rejected"}'
+)
 
 
 # --- Sources ---------------------------------------------------------------------------------------------
@@ -192,6 +217,9 @@ def _parse_jsonl(uri: str, text: str) -> list[Document]:
             ) from error
         if not isinstance(record, dict):
             raise DataError("invalid_jsonl", f"{uri}: line {number} is not a JSON object")
+        if PREFERENCE_KEYS & record.keys():
+            documents.append(_parse_preference(uri, f"line {number}", record))
+            continue
         kinds = [kind for kind in ("text", "messages", "prompt") if kind in record]
         if kinds == ["messages"]:
             documents.append(_parse_chat(uri, f"line {number}", record["messages"]))
@@ -205,10 +233,74 @@ def _parse_jsonl(uri: str, text: str) -> list[Document]:
         else:
             raise DataError(
                 "invalid_jsonl",
-                f'{uri}: line {number} needs exactly one of a "text" string, a "messages" list, or a '
-                '"prompt" and a "completion" string',
+                f'{uri}: line {number} needs exactly one of a "text" string, a "messages" list, a '
+                '"prompt" and a "completion" string, or a preference pair: ' + PREFERENCE_SHAPES,
             )
     return documents
+
+
+# The keys that make a record a preference pair: OpenAI's (and Together's) and TRL's.
+OPENAI_PREFERENCE = ("input", "preferred_output", "non_preferred_output")
+PAIR_PREFERENCE = ("prompt", "chosen", "rejected")
+PREFERENCE_KEYS = {"preferred_output", "non_preferred_output", "chosen", "rejected"}
+
+
+def _parse_preference(uri: str, where: str, record: dict, code: str = "invalid_preference") -> Preference:
+    """A preference pair: OpenAI's `input.messages` with `preferred_output` and `non_preferred_output` (each
+    one assistant message), or `prompt` with `chosen` and `rejected` (strings; or, as TRL's conversational
+    data, the prompt a list of messages and each reply a list of one assistant message)."""
+
+    def invalid(problem: str) -> DataError:
+        return DataError(code, f"{uri}: {where}: {problem}")
+
+    keys = (
+        OPENAI_PREFERENCE
+        if "preferred_output" in record or "non_preferred_output" in record
+        else PAIR_PREFERENCE
+    )
+    missing = [key for key in keys if record.get(key) is None]
+    extra = [
+        key
+        for key in ("text", "messages", "completion", *OPENAI_PREFERENCE, *PAIR_PREFERENCE)
+        if key not in keys and record.get(key) is not None
+    ]
+    if missing or extra:
+        problem = (
+            f"lacks {', '.join(map(repr, missing))}" if missing else f"mixes in {', '.join(map(repr, extra))}"
+        )
+        raise invalid(f"a preference pair {problem}; give {PREFERENCE_SHAPES}")
+    prompt, chosen, rejected = (record[key] for key in keys)
+    if keys == OPENAI_PREFERENCE:
+        if not isinstance(prompt, dict) or "messages" not in prompt:
+            raise invalid('"input" must be an object with the "messages" of the prompt')
+        prompt = prompt["messages"]
+
+    def reply(value: object, name: str) -> str:
+        if isinstance(value, list):
+            if len(value) != 1 or not isinstance(value[0], dict):
+                raise invalid(f'"{name}" must be a list of exactly one assistant message')
+            role = value[0].get("role")
+            if ROLE_ALIASES.get(role, role) != "model":  # type: ignore[arg-type]
+                raise invalid(f'"{name}" must be an assistant (model) message, not {role!r}')
+            value = _content_text(value[0].get("content"))
+        if not isinstance(value, str):
+            raise invalid(f'"{name}" needs a text reply (a string, or one message with a "content" string)')
+        if not value.strip():
+            raise invalid(f'"{name}" is empty: there is no reply to compare')
+        return value
+
+    chosen_text, rejected_text = reply(chosen, keys[1]), reply(rejected, keys[2])
+    if chosen_text == rejected_text:
+        raise invalid(f'"{keys[1]}" and "{keys[2]}" are the same reply: there is no preference to learn')
+    if isinstance(prompt, str):
+        if isinstance(chosen, list):
+            raise invalid(f'a "{keys[0]}" string goes with string replies; give the prompt as messages')
+        return Preference(prompt, chosen_text, rejected_text)
+    if not isinstance(prompt, list) or not prompt:
+        raise invalid(f'"{keys[0]}" must be a string or a non-empty list of messages')
+    # The prompt's messages and the reply, checked as one chat (so the prompt ends with a user turn).
+    chat = _parse_chat(uri, where, [*prompt, {"role": "model", "content": chosen_text}])
+    return Preference(chat[:-1], chosen_text, rejected_text)
 
 
 def _parse_completion(
@@ -298,6 +390,15 @@ def _parse_parquet(uri: str, data: bytes) -> list[Document]:
     if "messages" in schema.names:
         rows = parquet.read(columns=["messages"]).column("messages").to_pylist()
         return [_parse_chat(uri, f"row {number}", chat) for number, chat in enumerate(rows, start=1)]
+    if {"chosen", "rejected"} <= set(schema.names) or {"preferred_output", "non_preferred_output"} <= set(
+        schema.names
+    ):
+        names = [name for name in (*OPENAI_PREFERENCE, *PAIR_PREFERENCE) if name in schema.names]
+        table = parquet.read(columns=names).to_pylist()
+        return [
+            _parse_preference(uri, f"row {number}", row, "invalid_parquet")
+            for number, row in enumerate(table, start=1)
+        ]
     if {"prompt", "completion"} <= set(schema.names):
         table = parquet.read(columns=["prompt", "completion"]).to_pylist()
         return [
@@ -306,9 +407,33 @@ def _parse_parquet(uri: str, data: bytes) -> list[Document]:
         ]
     raise DataError(
         "parquet_no_text_column",
-        f"{uri} has no 'text' column, nor a 'messages' one, nor 'prompt' and 'completion' ones (its columns: "
-        f"{', '.join(schema.names)})",
+        f"{uri} has no 'text' column, nor a 'messages' one, nor 'prompt' and 'completion' ones, nor a "
+        f"preference pair's 'prompt', 'chosen' and 'rejected' (its columns: {', '.join(schema.names)})",
     )
+
+
+def check_objective(documents: Sequence[Document], uri: str, objective: str) -> None:
+    """Raise DataError unless the documents are what a job of `objective` trains on: preference pairs for
+    `dpo`, texts, chats and completions for `sft`."""
+    pairs = sum(isinstance(document, Preference) for document in documents)
+    if pairs and pairs < len(documents):
+        raise DataError(
+            "mixed_preference_data",
+            f"{uri} holds {pairs} preference pairs and {len(documents) - pairs} other records; a job trains "
+            "on one or the other: preference pairs with objective dpo, the rest with objective sft",
+        )
+    if objective == "dpo" and not pairs:
+        raise DataError(
+            "not_preference_data",
+            f"{uri} holds no preference pairs, and a dpo job learns from them: give records of "
+            f"{PREFERENCE_SHAPES}, or use objective sft to train on these",
+        )
+    if objective != "dpo" and pairs:
+        raise DataError(
+            "preference_data_needs_dpo",
+            f"{uri} holds preference pairs (a prompt, a chosen and a rejected reply); set method.objective "
+            "to dpo to learn from them",
+        )
 
 
 def split_validation(
@@ -345,6 +470,10 @@ def _render_chat(chat: tuple[Message, ...]) -> list[Message]:
     return [Message(first.role, f"{chat[0].content}\n\n{first.content}"), *chat[2:]]
 
 
+def _documents(document: Document) -> tuple[PlainDocument, ...]:
+    return document.documents() if isinstance(document, Preference) else (document,)
+
+
 def _ids(tokens: list[int]) -> np.ndarray:
     return np.array(tokens, dtype=np.int32)
 
@@ -363,9 +492,12 @@ def encode_documents(
     is at sampling time; a model turn's content is encoded apart from its header, so the trained span starts
     exactly at the content. Markers are inserted by id, so a tokenizer that has them as control pieces works
     too. A prompt and completion is `[bos] + prompt + completion + [eos]`, each encoded apart; the
-    completion and the eos are trained (`train_on_inputs`: the prompt too).
+    completion and the eos are trained (`train_on_inputs`: the prompt too). A preference pair is two
+    documents, the prompt with the chosen reply and with the rejected one, in that order.
     """
-    rendered = [_render_chat(document) if isinstance(document, tuple) else document for document in documents]
+    # (a preference pair: its two documents, next to each other: chosen, rejected)
+    plain = [part for document in documents for part in _documents(document)]
+    rendered = [_render_chat(document) if isinstance(document, tuple) else document for document in plain]
     texts = [
         text
         for item in rendered
@@ -495,6 +627,34 @@ def pack(lengths: Sequence[int], row_len: int) -> tuple[list[Piece], int]:
     return pieces, len(rows.used)
 
 
+def _fit_pair(chosen: int, rejected: int, row_len: int) -> tuple[int, int]:
+    """How many tokens of each of a pair's documents a row keeps: all, else the shorter whole (when it takes
+    at most half) and the longer cut to the rest, else half each."""
+    if chosen + rejected <= row_len:
+        return chosen, rejected
+    half = row_len // 2
+    if chosen <= half:
+        return chosen, row_len - chosen
+    if rejected <= half:
+        return row_len - rejected, rejected
+    return half, row_len - half
+
+
+def pack_pairs(lengths: Sequence[int], row_len: int) -> tuple[list[Piece], int]:
+    """Pack preference pairs (documents 2i, 2i + 1: chosen, rejected) into rows, best-fit decreasing; a
+    pair's documents lie side by side in one row as segments 2k - 1 and 2k, cut at their ends where the two
+    do not fit a row together (see `_fit_pair`). Returns (pieces, number of rows)."""
+    rows = _Rows(row_len)
+    pieces: list[Piece] = []
+    kept = [_fit_pair(lengths[i], lengths[i + 1], row_len) for i in range(0, len(lengths), 2)]
+    for pair in sorted(range(len(kept)), key=lambda index: -sum(kept[index])):
+        chosen, rejected = kept[pair]
+        row, offset, unit = rows.place(chosen + rejected)
+        pieces.append(Piece(2 * pair, 0, chosen, row, offset, 2 * unit - 1))
+        pieces.append(Piece(2 * pair + 1, 0, rejected, row, offset + chosen, 2 * unit))
+    return pieces, len(rows.used)
+
+
 @dataclass(frozen=True)
 class DataStats:
     documents: int
@@ -523,8 +683,13 @@ class DataStats:
 class PackedShard:
     """One data shard's documents packed into rows of `row_len` tokens."""
 
-    def __init__(self, documents: Sequence[EncodedDocument], row_len: int, pad_id: int) -> None:
-        pieces, num_rows = pack([len(document.tokens) for document in documents], row_len)
+    def __init__(
+        self, documents: Sequence[EncodedDocument], row_len: int, pad_id: int, pairs: bool = False
+    ) -> None:
+        """`pairs`: the documents are preference pairs, chosen and rejected by turns (`pack_pairs`)."""
+        pieces, num_rows = (pack_pairs if pairs else pack)(
+            [len(document.tokens) for document in documents], row_len
+        )
         self.row_len = row_len
         self.pad_id = pad_id
         self.tokens = np.full((num_rows, row_len), pad_id, dtype=np.int32)
@@ -548,8 +713,10 @@ class PackedShard:
                     for piece, flags in zip(pieces, trained, strict=True)
                 ]
             )
+        if pairs:
+            _check_pairs_scored(documents, pieces, row_len)
         self.stats = DataStats(
-            documents=len(documents),
+            documents=len(documents) // 2 if pairs else len(documents),
             tokens=sum(len(document.tokens) for document in documents),
             target_tokens=int(_loss_mask(self.segments, self.trained).sum()),
             rows=num_rows,
@@ -573,6 +740,22 @@ class PackedShard:
             self.trained[indices[real]],
         )
         return tokens, segments, trained
+
+
+def _check_pairs_scored(documents: Sequence[EncodedDocument], pieces: Sequence[Piece], row_len: int) -> None:
+    """Raise DataError if a pair's document was cut before its reply: nothing of it left to compare."""
+    unscored = {
+        piece.document // 2
+        for piece in pieces
+        if (flags := documents[piece.document].trained) is not None and not flags[1 : piece.stop].any()
+    }
+    if unscored:
+        raise DataError(
+            "preference_too_long",
+            f"{len(unscored)} preference pairs have a prompt so long that a row of {row_len - 1} tokens "
+            "holds none of a reply once both replies share it; raise max_seq_len (to fit the prompt and "
+            "both replies), or shorten those prompts",
+        )
 
 
 def _loss_mask(segments: np.ndarray, trained: np.ndarray) -> np.ndarray:
@@ -642,7 +825,14 @@ class _ShardedData:
         mine = [shard_documents(documents, seed, shard, num_shards) for shard in self.shard_indices]
         documents_here = [d for shard in mine for d in shard]
         encoded = iter(encode_documents(documents_here, tokenizer, num_threads, train_on_inputs))
-        self.shards = [PackedShard([next(encoded) for _ in shard], max_seq_len + 1, pad_id) for shard in mine]
+        self.pairs = any(isinstance(document, Preference) for document in documents)
+        per_document = 2 if self.pairs else 1
+        self.shards = [
+            PackedShard(
+                [next(encoded) for _ in range(per_document * len(shard))], max_seq_len + 1, pad_id, self.pairs
+            )
+            for shard in mine
+        ]
         self.stats = DataStats.total([shard.stats for shard in self.shards])
         self._check_rows()
 
@@ -761,10 +951,13 @@ def load_train_data(
         )
     per_process = shards // process_count
     hyper = spec.hyperparameters
+    objective = spec.method.objective
     documents = read_documents(spec.dataset_uri)
+    check_objective(documents, spec.dataset_uri, objective)
     validation: list[Document] | None = None
     if spec.validation_uri is not None:
         validation = read_documents(spec.validation_uri)
+        check_objective(validation, spec.validation_uri, objective)
     elif spec.validation_split is not None:
         documents, validation = split_validation(documents, spec.validation_split, hyper.seed)
     indices = list(range(process_index * per_process, (process_index + 1) * per_process))
@@ -783,12 +976,13 @@ class DatasetSummary:
     texts: int
     chats: int
     completions: int  # prompt/completion pairs
-    lengths: list[int]  # each document's tokens, bos and eos included
+    preferences: int  # preference pairs (a prompt, a chosen and a rejected reply)
+    lengths: list[int]  # each document's tokens, bos and eos included (a preference pair's: both replies')
     stats: DataStats  # packed into rows of max_seq_len + 1 tokens, as one process of a job packs them
 
     @property
     def cut(self) -> int:
-        """Documents longer than a row: packed in pieces."""
+        """Documents longer than a row: packed in pieces (preference pairs: their replies cut short)."""
         return sum(length > self.stats.row_len for length in self.lengths)
 
 
@@ -798,10 +992,14 @@ def summarize(
     """The documents' kinds, tokens and trained tokens, packed as one process of a job of `max_seq_len`
     packs them (its validation data: all of them, in the order of seed 0)."""
     packed = EvalData(documents, tokenizer, max_seq_len, 1, 0, [0], 1, train_on_inputs=train_on_inputs)
+    lengths = [len(document.tokens) for document in encode_documents(documents, tokenizer)]
+    if packed.pairs:
+        lengths = [chosen + rejected for chosen, rejected in zip(lengths[::2], lengths[1::2], strict=True)]
     return DatasetSummary(
         texts=sum(isinstance(document, str) for document in documents),
         chats=sum(isinstance(document, tuple) for document in documents),
         completions=sum(isinstance(document, Completion) for document in documents),
-        lengths=[len(document.tokens) for document in encode_documents(documents, tokenizer)],
+        preferences=sum(isinstance(document, Preference) for document in documents),
+        lengths=lengths,
         stats=packed.stats,
     )

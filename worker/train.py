@@ -257,6 +257,72 @@ def loss_sums(
     return jnp.sum(losses * mask), (jnp.sum(mask), correct)
 
 
+def _sft_sums(
+    model: gemma.Model, trained: Params, frozen: Params, batch: dict[str, jax.Array]
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    """`loss_sums`, with its token count twice: as what the loss is averaged over, and as tokens trained."""
+    loss_sum, (count, correct) = loss_sums(model, trained, frozen, batch)
+    return loss_sum, (count, correct, count)
+
+
+def sequence_logprobs(logits: jax.Array, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """([B, P, 2] summed log-probabilities of the trained targets of each row's segments 2k - 1 and 2k (a
+    preference pair's chosen and rejected documents, as `data.pack_pairs` lays them out), [B, P, 2] how many
+    targets each sum has). P is an upper bound of the pairs a row holds (each document has >= 3 tokens)."""
+    rows, length = batch["segment_ids"].shape
+    slots = 2 * (length // 4 + 1) + 1  # (segment 0, padding, and up to 2P documents)
+    logprobs = -optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]) * batch["loss_mask"]
+    index = (batch["segment_ids"] + slots * jnp.arange(rows)[:, None]).reshape(-1)
+
+    def per_segment(values: jax.Array) -> jax.Array:
+        summed = jax.ops.segment_sum(values.reshape(-1), index, num_segments=rows * slots)
+        return summed.reshape(rows, slots)[:, 1:].reshape(rows, -1, 2)
+
+    return per_segment(logprobs), per_segment(batch["loss_mask"])
+
+
+def reference_params(model: gemma.Model, trained: Params, frozen: Params) -> Params:
+    """The trained params of a dpo job's reference model, the weights it started from: a LoRA job's adapter
+    at zero (the base alone), a full fine-tune's initial weights (kept as its `frozen`)."""
+    return jax.tree.map(jnp.zeros_like, trained) if model.lora_rank is not None else frozen
+
+
+def preference_sums(
+    model: gemma.Model, trained: Params, frozen: Params, batch: dict[str, jax.Array], beta: float
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    """DPO over a batch of preference pairs: (sum of the pairs' losses -log sigmoid(beta * margin), (number
+    of pairs, how many the model prefers rightly: margin > 0, replies' tokens scored)), where margin is how
+    much more the model than the reference favours the chosen reply over the rejected (log-probability
+    ratios, each reply's tokens summed)."""
+    policy, counts = sequence_logprobs(gemma.forward(model, trained, frozen, *_inputs(batch)), batch)
+    reference_logits = gemma.forward(model, reference_params(model, trained, frozen), frozen, *_inputs(batch))
+    reference, _ = sequence_logprobs(jax.lax.stop_gradient(reference_logits), batch)
+    ratios = policy - reference
+    margin = beta * (ratios[..., 0] - ratios[..., 1])
+    pairs = ((counts[..., 0] > 0) & (counts[..., 1] > 0)).astype(jnp.float32)
+    return (
+        jnp.sum(jax.nn.softplus(-margin) * pairs),
+        (jnp.sum(pairs), jnp.sum((margin > 0) * pairs), jnp.sum(counts.sum(axis=-1) * pairs)),
+    )
+
+
+def _inputs(batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return batch["tokens"], batch["segment_ids"], batch["positions"]
+
+
+Objective = Callable[[gemma.Model, Params, Params, dict[str, jax.Array]], tuple]
+
+
+def objective(spec: JobSpec) -> Objective:
+    """What a job's step minimizes: `(model, trained, frozen, batch) -> (loss sum, (count it is averaged
+    over, count ranked rightly, tokens trained))`: tokens' cross-entropy (sft) or pairs' DPO loss (dpo)."""
+    if spec.method.objective == "dpo":
+        beta = spec.method.dpo_beta
+        assert beta is not None
+        return lambda model, trained, frozen, batch: preference_sums(model, trained, frozen, batch, beta)
+    return _sft_sums
+
+
 def microbatches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Array]:
     """[B, ...] -> [count, B/count, ...]; microbatch j holds rows j, j+count, ... (no row moves device)."""
     return {
@@ -265,32 +331,36 @@ def microbatches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Array
 
 
 def make_train_step(
-    model: gemma.Model, optimizer: optax.GradientTransformation, schedule: optax.Schedule, accumulation: int
+    model: gemma.Model,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    accumulation: int,
+    objective: Objective = _sft_sums,
 ) -> Callable:
     """(state, frozen, batch, stop) -> (state, metrics): one optimizer step over the global batch.
 
     Gradients of the loss *sums* are accumulated over microbatches and divided by the global count of
-    trained tokens once, so the step equals one without accumulation.
+    trained tokens (dpo: of pairs) once, so the step equals one without accumulation.
     """
 
     def train_step(state: Params, frozen: Params, batch: dict[str, jax.Array], stop: jax.Array) -> tuple:
         params = state["params"]
-        grad_fn = jax.value_and_grad(lambda p, micro: loss_sums(model, p, frozen, micro), has_aux=True)
+        grad_fn = jax.value_and_grad(lambda p, micro: objective(model, p, frozen, micro), has_aux=True)
 
         def accumulate(grads: Params, micro: dict[str, jax.Array]) -> tuple:
-            (loss_sum, (count, correct)), micro_grads = grad_fn(params, micro)
-            return jax.tree.map(jnp.add, grads, micro_grads), (loss_sum, count, correct)
+            (loss_sum, (count, correct, tokens)), micro_grads = grad_fn(params, micro)
+            return jax.tree.map(jnp.add, grads, micro_grads), (loss_sum, count, correct, tokens)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        per_micro: tuple[jax.Array, jax.Array, jax.Array]
+        per_micro: tuple[jax.Array, jax.Array, jax.Array, jax.Array]
         grads, per_micro = jax.lax.scan(accumulate, zeros, microbatches(batch, accumulation))
-        loss_sum, count, correct = (jnp.sum(x) for x in per_micro)
+        loss_sum, count, correct, tokens = (jnp.sum(x) for x in per_micro)
         grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1.0), grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         metrics = {
             "loss": loss_sum / jnp.maximum(count, 1.0),
             "accuracy": correct / jnp.maximum(count, 1.0),
-            "tokens": count,
+            "tokens": tokens,
             "grad_norm": optax.global_norm(grads),
             "learning_rate": schedule(state["step"]),
             "stop": jnp.max(stop),
@@ -305,16 +375,16 @@ def make_train_step(
     return train_step
 
 
-def make_eval_step(model: gemma.Model, accumulation: int) -> Callable:
-    """(params, frozen, batch) -> (loss sum, token count, tokens predicted), in the same microbatches as
-    training."""
+def make_eval_step(model: gemma.Model, accumulation: int, objective: Objective = _sft_sums) -> Callable:
+    """(params, frozen, batch) -> (loss sum, token count, tokens predicted, token count) (dpo: pairs, pairs
+    preferred rightly, their replies' tokens), in the same microbatches as training."""
 
     def eval_step(params: Params, frozen: Params, batch: dict[str, jax.Array]) -> tuple:
         def add(total: tuple, micro: dict[str, jax.Array]) -> tuple:
-            loss_sum, (count, correct) = loss_sums(model, params, frozen, micro)
-            return (total[0] + loss_sum, total[1] + count, total[2] + correct), None
+            loss_sum, (count, correct, tokens) = objective(model, params, frozen, micro)
+            return tuple(a + b for a, b in zip(total, (loss_sum, count, correct, tokens), strict=True)), None
 
-        return jax.lax.scan(add, (0.0, 0.0, 0.0), microbatches(batch, accumulation))[0]
+        return jax.lax.scan(add, (0.0, 0.0, 0.0, 0.0), microbatches(batch, accumulation))[0]
 
     return eval_step
 
@@ -574,12 +644,22 @@ class _Run:
             self.state_shardings,
         )
         latest = self.checkpoints.latest_step()
+        # A full dpo job's reference model is its initial weights, kept apart (as its `frozen`) from the
+        # trained ones: `reference_params`. (A LoRA job's is its frozen base.)
+        full_reference = self.spec.method.objective == "dpo" and self.model.lora_rank is None
         if latest is None:
             trained, frozen = self._initial_params(shardings)
+            if full_reference:
+                copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=shardings[0])
+                frozen = copy(trained)
             state = jax.jit(new_state, out_shardings=self.state_shardings, donate_argnums=0)(trained)
             return state, frozen, 0
-        # A resumed full fine-tune takes all its weights from the checkpoint; LoRA still needs the base.
-        frozen = self._initial_params(shardings)[1] if self.model.lora_rank is not None else {}
+        # A resumed full fine-tune takes all its weights from the checkpoint; LoRA still needs the base, and
+        # a full dpo job its reference, the weights it started from.
+        if self.model.lora_rank is not None:
+            frozen = self._initial_params(shardings)[1]
+        else:
+            frozen = self._initial_params(shardings, "the reference model: ")[0] if full_reference else {}
         state, position = self.checkpoints.restore(latest, self.placed_state)
         self.trained_tokens, self.last_loss = int(position.get("trained_tokens", 0)), position.get("loss")
         self.last_accuracy = position.get("accuracy")  # (None from a checkpoint saved before it was kept)
@@ -634,7 +714,13 @@ class _Run:
         replicated = NamedSharding(self.mesh, P())
         step_fn = (
             jax.jit(
-                make_train_step(self.model, self.optimizer, schedule, hyper.gradient_accumulation_steps),
+                make_train_step(
+                    self.model,
+                    self.optimizer,
+                    schedule,
+                    hyper.gradient_accumulation_steps,
+                    objective(self.spec),
+                ),
                 out_shardings=(self.state_shardings, replicated),
                 donate_argnums=0,
             )
@@ -642,7 +728,8 @@ class _Run:
             .compile()
         )
         self.eval_fn = jax.jit(
-            make_eval_step(self.model, hyper.gradient_accumulation_steps), out_shardings=replicated
+            make_eval_step(self.model, hyper.gradient_accumulation_steps, objective(self.spec)),
+            out_shardings=replicated,
         )
         self.generate = gemma.make_generate(
             self.model, replicated, self.options.sample_tokens, self._stop_tokens()
@@ -781,10 +868,12 @@ class _Run:
     def _evaluate(self, state: Params, frozen: Params, step: int) -> Evaluated:
         assert self.eval_data is not None
         rows = batch_sharding(self.mesh)
-        total, count, correct = 0.0, 0.0, 0.0
+        total, count, correct, tokens = 0.0, 0.0, 0.0, 0.0
         for local in self.eval_data.eval_batches(self.eval_batches):
-            loss_sum, tokens, predicted = self.eval_fn(state["params"], frozen, global_batch(local, rows))
-            total, count, correct = total + float(loss_sum), count + float(tokens), correct + float(predicted)
+            sums = self.eval_fn(state["params"], frozen, global_batch(local, rows))
+            total, count, correct, tokens = (
+                a + float(b) for a, b in zip((total, count, correct, tokens), sums, strict=True)
+            )
         evaluated = Evaluated(step, total / max(count, 1.0), correct / max(count, 1.0))
         if not math.isfinite(evaluated.loss):
             raise LossNotFinite(step, evaluated.loss, "eval loss")
@@ -798,7 +887,7 @@ class _Run:
                 step=step,
                 eval_loss=evaluated.loss,
                 eval_accuracy=evaluated.accuracy,
-                eval_tokens=int(count),
+                eval_tokens=int(tokens),
             )
         )
         return evaluated

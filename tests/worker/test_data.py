@@ -22,10 +22,12 @@ from worker.data import (
     DataError,
     EvalData,
     Message,
+    Preference,
     TrainData,
     encode_documents,
     load_train_data,
     pack,
+    pack_pairs,
     read_documents,
     shard_documents,
     split_validation,
@@ -184,6 +186,145 @@ def test_parquet_chats_and_pairs_read_as_their_jsonl_records(tmp_path: Path) -> 
     ]
 
 
+# A preference pair in OpenAI's shape: the prompt's messages (a model turn among them) and two replies.
+PREFERENCE = {
+    "input": {"messages": CHAT["messages"][:4]},
+    "preferred_output": [{"role": "assistant", "content": "In a small house."}],
+    "non_preferred_output": [{"role": "assistant", "content": [{"type": "text", "text": "I do not know."}]}],
+}
+PREFERENCE_PROMPT = tuple(Message(m["role"], m["content"]) for m in CHAT["messages"][:4])
+
+
+def test_preference_pairs_read_in_openai_trl_and_parquet_shapes(tmp_path: Path) -> None:
+    """OpenAI's (and Together's) `input`/`preferred_output`/`non_preferred_output`, TRL's `prompt`/`chosen`/
+    `rejected` as strings or as messages, and both as Parquet columns: the same pairs."""
+    chat = Preference(PREFERENCE_PROMPT, "In a small house.", "I do not know.")
+    text = Preference("Q: hi\nA:", " hello", " go away")
+    trl_chat = {
+        "prompt": CHAT["messages"][:4],
+        "chosen": [{"role": "assistant", "content": "In a small house."}],
+        "rejected": [{"role": "model", "content": "I do not know."}],
+    }
+    trl_text = {"prompt": "Q: hi\nA:", "chosen": " hello", "rejected": " go away"}
+    uri = write(tmp_path / "pairs.jsonl", jsonl(PREFERENCE, trl_text, trl_chat))
+    assert read_documents(uri) == [chat, text, chat]
+    openai = pa.Table.from_pylist([{**PREFERENCE, "non_preferred_output": trl_chat["rejected"]}] * 2)
+    assert read_documents(write(tmp_path / "openai.parquet", _parquet_bytes(openai))) == [chat, chat]
+    trl = pa.Table.from_pylist([trl_text, {**trl_text, "id": 2}])
+    assert read_documents(write(tmp_path / "trl.parquet", _parquet_bytes(trl))) == [text, text]
+
+
+def test_a_preference_pair_is_its_prompt_with_each_reply_only_the_reply_trained(
+    tiny_tokenizer: Tokenizer,
+) -> None:
+    """A pair encodes as two documents, chosen then rejected: the prompt rendered as a chat (or a plain
+    prompt) with each reply; only the reply and its end are trained, not a model turn of the prompt."""
+    pair = Preference(PREFERENCE_PROMPT, "In a small house.", "I do not know.")
+    chosen, rejected = encode_documents([pair], tiny_tokenizer)
+    assert tiny_tokenizer.decode(chosen.tokens[1:-1]) == CHAT_TEMPLATE
+    for document, reply in ((chosen, "In a small house."), (rejected, "I do not know.")):
+        assert document.trained is not None
+        assert tiny_tokenizer.decode(document.tokens[document.trained]) == f"{reply}<end_of_turn>"
+    prompt = len(tiny_tokenizer.encode(CHAT_TEMPLATE.rsplit("model\n", 1)[0]))
+    assert chosen.tokens[:prompt].tolist() == rejected.tokens[:prompt].tolist()
+    text = Preference("Q: hi\nA:", " hello", " go away")
+    pair_documents = encode_documents([text], tiny_tokenizer)
+    completions = encode_documents(
+        [data.Completion("Q: hi\nA:", r) for r in (" hello", " go away")], tiny_tokenizer
+    )
+    for got, expected in zip(pair_documents, completions, strict=True):
+        assert got.tokens.tolist() == expected.tokens.tolist()
+        assert np.array_equal(got.trained, expected.trained)  # type: ignore[arg-type]
+
+
+def test_fit_pair_keeps_a_shorter_reply_whole_and_cuts_the_longer() -> None:
+    assert data._fit_pair(30, 34, 64) == (30, 34)
+    assert data._fit_pair(20, 60, 64) == (20, 44)
+    assert data._fit_pair(60, 20, 64) == (44, 20)
+    assert data._fit_pair(50, 40, 65) == (32, 33)
+
+
+@pytest.mark.parametrize("row_len", [17, 65, 257])
+def test_pack_pairs_lays_each_pair_side_by_side_in_one_row(row_len: int) -> None:
+    """A pair's documents: one row, adjacent, segments 2k - 1 (chosen) and 2k (rejected); whole when they fit
+    together, else cut at their ends to fill the row; no slot used twice."""
+    rng = np.random.default_rng(row_len)
+    lengths = [int(n) for n in rng.lognormal(np.log(row_len * 0.35), 0.6, size=400).clip(3)]
+    pieces, num_rows = pack_pairs(lengths, row_len)
+    assert len(pieces) == len(lengths)
+    by_document = {piece.document: piece for piece in pieces}
+    occupied = np.zeros((num_rows, row_len), dtype=int)
+    for pair in range(len(lengths) // 2):
+        chosen, rejected = by_document[2 * pair], by_document[2 * pair + 1]
+        assert (
+            chosen.row == rejected.row and chosen.segment % 2 == 1 and rejected.segment == chosen.segment + 1
+        )
+        assert rejected.offset == chosen.offset + chosen.stop and chosen.start == rejected.start == 0
+        kept = (chosen.stop, rejected.stop)
+        assert kept == data._fit_pair(lengths[2 * pair], lengths[2 * pair + 1], row_len)
+        assert (sum(kept) == row_len) if lengths[2 * pair] + lengths[2 * pair + 1] > row_len else True
+        occupied[chosen.row, chosen.offset : rejected.offset + rejected.stop] += 1
+    assert occupied.max() == 1
+    assert any(len({p.segment for p in pieces if p.row == row}) > 2 for row in range(num_rows))
+
+
+def test_preference_batches_score_each_reply_in_its_segment(tiny_tokenizer: Tokenizer) -> None:
+    """Packed, a pair's chosen document is an odd segment and its rejected the next, each trained on its
+    reply alone; a prompt that leaves no room for a reply in a row is preference_too_long."""
+    pairs = [
+        Preference(f"Story {i}: Amy had a ball.", f" It was red {i}.", f" Go away {i}.") for i in range(6)
+    ]
+    batch = all_rows(pairs, tiny_tokenizer, 64)
+    mask = batch["loss_mask"] == 1
+    replies = []
+    for row in range(len(mask)):
+        ids = batch["segment_ids"][row]
+        for segment in range(1, int(ids.max()) + 1):
+            replies.append(tiny_tokenizer.decode(batch["targets"][row][(ids == segment) & mask[row]]))
+    expected = [reply for i in range(6) for reply in (f" It was red {i}.", f" Go away {i}.")]
+    assert sorted(replies) == sorted(expected) and replies.index(" It was red 0.") % 2 == 0
+    assert replies[replies.index(" It was red 0.") + 1] == " Go away 0."
+    assert EvalData(pairs, tiny_tokenizer, 64, 1, 0, [0], 1).stats.documents == 6
+    long_prompt = Preference(" ".join(generate_stories(3, 0)), "Yes.", "No.")
+    with pytest.raises(DataError) as error:
+        EvalData([long_prompt, *pairs], tiny_tokenizer, 64, 1, 0, [0], 1)
+    assert error.value.code == "preference_too_long"
+    assert error.value.message.startswith("1 preference pairs have a prompt so long that a row of 64 tokens")
+
+
+def test_a_job_learns_from_preference_pairs_only_with_objective_dpo(
+    tmp_path: Path, tiny_tokenizer: Tokenizer
+) -> None:
+    pairs = write(tmp_path / "pairs.jsonl", jsonl(*[PREFERENCE] * 8))
+    stories = str(write_txt(tmp_path / "stories.txt", generate_stories(8, 0)))
+    mixed = write(tmp_path / "mixed.jsonl", jsonl(PREFERENCE, CHAT))
+
+    def load(dataset: str, objective: str, **spec: str) -> str:
+        body = {"name": "t", "model": "tiny", "dataset_uri": dataset, "method": {"objective": objective}}
+        with pytest.raises(DataError) as error:
+            load_train_data(JobSpec.model_validate({**body, **spec}), tiny_tokenizer, 0, 1)
+        return f"{error.value.code}: {error.value.message}"
+
+    assert load(pairs, "sft") == (
+        f"preference_data_needs_dpo: {pairs} holds preference pairs (a prompt, a chosen and a rejected "
+        "reply); set method.objective to dpo to learn from them"
+    )
+    assert load(stories, "dpo").startswith(f"not_preference_data: {stories} holds no preference pairs")
+    assert load(pairs, "dpo", validation_uri=stories).startswith(f"not_preference_data: {stories} holds no")
+    assert load(mixed, "dpo") == (
+        f"mixed_preference_data: {mixed} holds 1 preference pairs and 1 other records; a job trains on one "
+        "or the other: preference pairs with objective dpo, the rest with objective sft"
+    )
+    spec = {"name": "t", "model": "tiny", "dataset_uri": pairs, "method": {"objective": "dpo"}}
+    train, _ = load_train_data(
+        JobSpec.model_validate({**spec, "hyperparameters": {"batch_size": 2, "max_seq_len": 128}}),
+        tiny_tokenizer,
+        0,
+        1,
+    )
+    assert train.pairs and train.stats.documents == 8 and train.stats.rows >= 4
+
+
 def test_check_data_says_what_a_dataset_holds_and_packs_into(
     tmp_path: Path, tiny_tokenizer_path: Path, tiny_tokenizer: Tokenizer, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -215,6 +356,18 @@ def test_check_data_says_what_a_dataset_holds_and_packs_into(
     assert "error: --max-seq-len: Input should be greater than or equal to 8" in capsys.readouterr().err
     assert cli.main([*args[:2], "--tokenizer", uri]) == 3
     assert f"error: cannot read the tokenizer {uri}: " in capsys.readouterr().err
+    # Preference pairs: counted as pairs, their replies' tokens scored; no --train-on-inputs for them.
+    pairs = write(tmp_path / "pairs.jsonl", jsonl(*[PREFERENCE] * 3))
+    tokenizer = ["--tokenizer", str(tiny_tokenizer_path)]
+    assert cli.main(["check-data", pairs, *tokenizer]) == 0
+    out = capsys.readouterr().out
+    scored = EvalData(read_documents(pairs), tiny_tokenizer, 512, 1, 0, [0], 1).stats
+    assert out.startswith(f"{pairs}: 3 records (3 preference pairs)\n") and "per pair median" in out
+    assert f"  tokens: {scored.tokens:,}, scored {scored.target_tokens:,} (" in out
+    assert cli.main(["check-data", pairs, *tokenizer, "--train-on-inputs"]) == 2
+    assert "preference pairs train on their replies alone" in capsys.readouterr().err
+    assert cli.main(["check-data", write(tmp_path / "mixed.jsonl", jsonl(PREFERENCE, CHAT)), *tokenizer]) == 3
+    assert "(mixed_preference_data)" in capsys.readouterr().err
     bad = write(tmp_path / "bad.jsonl", jsonl({"messages": [{"role": "tool", "content": "x"}]}))
     assert cli.main(["check-data", bad, "--tokenizer", str(tiny_tokenizer_path)]) == 3
     assert "message 1 has role 'tool'; use one of user, model, system, assistant (invalid_chat)" in (
@@ -266,7 +419,8 @@ BAD_FILES = [
         "neither.jsonl",
         jsonl({"prompt": "hi"}).encode(),
         "invalid_jsonl",
-        'exactly one of a "text" string, a "messages" list, or a "prompt" and a "completion" string',
+        'exactly one of a "text" string, a "messages" list, a "prompt" and a "completion" string, or a '
+        'preference pair: {"input": {"messages": [...]}, "preferred_output": [...]',
     ),
     (
         "both.jsonl",
@@ -354,7 +508,8 @@ BAD_FILES = [
         "no_text.parquet",
         _parquet_bytes(pa.table({"body": ["a"], "id": [1]})),
         "parquet_no_text_column",
-        "no 'text' column, nor a 'messages' one, nor 'prompt' and 'completion' ones (its columns: body, id)",
+        "no 'text' column, nor a 'messages' one, nor 'prompt' and 'completion' ones, nor a preference pair's "
+        "'prompt', 'chosen' and 'rejected' (its columns: body, id)",
     ),
     (
         "empty_completion.parquet",
@@ -367,6 +522,80 @@ BAD_FILES = [
         _parquet_bytes(pa.table({"messages": [[{"role": "user", "content": "a"}]]})),
         "invalid_chat",
         "row 1: there is no model turn to train on",
+    ),
+    (
+        "same_reply.jsonl",
+        jsonl({"prompt": "Q", "chosen": "A", "rejected": "A"}).encode(),
+        "invalid_preference",
+        'line 1: "chosen" and "rejected" are the same reply: there is no preference to learn',
+    ),
+    (
+        "no_rejected.jsonl",
+        jsonl({"prompt": "Q", "chosen": "A"}).encode(),
+        "invalid_preference",
+        'line 1: a preference pair lacks \'rejected\'; give {"input": {"messages": [...]}, ',
+    ),
+    (
+        "pair_and_completion.jsonl",
+        jsonl({"prompt": "Q", "chosen": "A", "rejected": "B", "completion": "C"}).encode(),
+        "invalid_preference",
+        "a preference pair mixes in 'completion'",
+    ),
+    (
+        "empty_reply.jsonl",
+        jsonl({"prompt": "Q", "chosen": "A", "rejected": " "}).encode(),
+        "invalid_preference",
+        '"rejected" is empty: there is no reply to compare',
+    ),
+    (
+        "two_replies.jsonl",
+        jsonl(
+            {
+                "input": {"messages": [{"role": "user", "content": "Q"}]},
+                "preferred_output": [{"role": "assistant", "content": "A"}] * 2,
+                "non_preferred_output": [{"role": "assistant", "content": "B"}],
+            }
+        ).encode(),
+        "invalid_preference",
+        '"preferred_output" must be a list of exactly one assistant message',
+    ),
+    (
+        "user_reply.jsonl",
+        jsonl(
+            {
+                "input": {"messages": [{"role": "user", "content": "Q"}]},
+                "preferred_output": [{"role": "assistant", "content": "A"}],
+                "non_preferred_output": [{"role": "user", "content": "B"}],
+            }
+        ).encode(),
+        "invalid_preference",
+        "\"non_preferred_output\" must be an assistant (model) message, not 'user'",
+    ),
+    (
+        "no_input.jsonl",
+        jsonl({"input": [], "preferred_output": "A", "non_preferred_output": "B"}).encode(),
+        "invalid_preference",
+        '"input" must be an object with the "messages" of the prompt',
+    ),
+    (
+        "prompt_ends_with_reply.jsonl",
+        jsonl(
+            {
+                "input": {
+                    "messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+                },
+                "preferred_output": [{"role": "assistant", "content": "B"}],
+                "non_preferred_output": [{"role": "assistant", "content": "C"}],
+            }
+        ).encode(),
+        "invalid_chat",
+        "line 1: message 3 is a model turn where a user turn belongs",
+    ),
+    (
+        "same_reply.parquet",
+        _parquet_bytes(pa.table({"prompt": ["Q", "R"], "chosen": ["A", "B"], "rejected": ["C", "B"]})),
+        "invalid_parquet",
+        'row 2: "chosen" and "rejected" are the same reply',
     ),
     (
         "int_text.parquet",

@@ -439,6 +439,7 @@ def test_token_accuracy_counts_the_trained_targets_the_model_ranks_first(
     assert [int(x) for x in eval_step(params, {}, dict(batch, targets=targets))[1:]] == [
         trained.sum(),
         chosen.sum(),
+        trained.sum(),
     ]
 
 
