@@ -165,8 +165,14 @@ def queue_place(job: dict[str, Any]) -> str:
     return f" ({position}{suffix} in the queue)"
 
 
+def is_dpo(job: dict[str, Any]) -> bool:
+    """Whether a job learns from preference pairs (`method.objective` dpo)."""
+    return bool((job.get("spec") or {}).get("method", {}).get("objective") == "dpo")
+
+
 def _print_job(job: dict[str, Any]) -> None:
-    print(f"{job['id']}  {job['name']}  {job['model']} ({job['method']})  {job['status']}{queue_place(job)}")
+    method = f"{job['method']}, dpo" if is_dpo(job) else job["method"]
+    print(f"{job['id']}  {job['name']}  {job['model']} ({method})  {job['status']}{queue_place(job)}")
     if job.get("status_message"):
         print(f"  {job['status_message']}")
     print(f"  {progress_line(job)}")
@@ -238,13 +244,14 @@ def data_line(job: dict[str, Any]) -> str | None:
     data = job.get("data_stats")
     if not data:
         return None
+    documents = "preference pairs" if data.get("preference_pairs") else "documents"
     line = (
-        f"data: {data['documents']:,} documents, {data['tokens']:,} tokens in {data['rows']:,} rows of "
+        f"data: {data['documents']:,} {documents}, {data['tokens']:,} tokens in {data['rows']:,} rows of "
         f"{data['row_tokens']} ({data['pad_fraction']:.1%} padding), "
         f"{data['steps_per_epoch']:,} steps an epoch"
     )
     if data.get("validation_documents") is not None:
-        line += f"; validation {data['validation_documents']:,} documents"
+        line += f"; validation {data['validation_documents']:,} {documents}"
     return line
 
 
@@ -274,6 +281,10 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
         spec.setdefault("method", {})["type"] = args.method
     if args.lora_rank:
         spec.setdefault("method", {})["lora_rank"] = args.lora_rank
+    if args.objective:
+        spec.setdefault("method", {})["objective"] = args.objective
+    if args.dpo_beta is not None:
+        spec.setdefault("method", {})["dpo_beta"] = args.dpo_beta
     if args.export_hf:
         spec.setdefault("method", {})["export_hf"] = True
     if args.export_gguf:
@@ -819,6 +830,14 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--method", choices=["full", "lora"])
     p.add_argument("--lora-rank", type=int)
+    p.add_argument(
+        "--objective",
+        choices=["sft", "dpo"],
+        help="sft: learn the data's texts and replies (default); dpo: learn from preference pairs",
+    )
+    p.add_argument(
+        "--dpo-beta", type=float, help="dpo: how far from its start the model may move (default 0.1)"
+    )
     p.add_argument(
         "--export-hf", action="store_true", help="also export a Hugging Face model (final/hf: safetensors)"
     )

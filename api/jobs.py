@@ -1191,14 +1191,15 @@ def _event_for(report: Any) -> tuple[str, str, str]:
         case WarningReport():
             return "warning", "warn", report.message
         case DataReport():
+            documents = "preference pairs" if report.preference_pairs else "documents"
             validation = ""
             if report.validation_documents is not None:
-                validation = f"; validation: {report.validation_documents:,} documents"
+                validation = f"; validation: {report.validation_documents:,} {documents}"
                 validation += f", {report.validation_tokens or 0:,} tokens"
             return (
                 "data",
                 "info",
-                f"Data: {report.documents:,} documents, {report.tokens:,} tokens ({report.target_tokens:,} "
+                f"Data: {report.documents:,} {documents}, {report.tokens:,} tokens ({report.target_tokens:,} "
                 f"with loss) packed into {report.rows:,} rows of {report.row_tokens} tokens "
                 f"({report.pad_fraction:.1%} padding); {report.steps_per_epoch:,} steps an epoch, "
                 f"{report.total_steps:,} in all{validation}.",

@@ -35,7 +35,10 @@ def test_create_and_get(client: TestClient, dataset: Path) -> None:
     assert job["status"] == "queued"
     assert job["method"] == "lora"
     assert job["spec"]["method"]["lora_rank"] == 8
+    assert job["spec"]["method"]["objective"] == "sft" and job["spec"]["method"]["dpo_beta"] is None
     assert job["spec"]["hyperparameters"]["max_steps"] == 10
+    dpo = client.post("/jobs", json=job_body(dataset, method={"type": "lora", "objective": "dpo"}))
+    assert dpo.status_code == 201 and dpo.json()["spec"]["method"]["dpo_beta"] == 0.1  # (the default)
     assert job["progress"] == {
         "step": 0,
         "total_steps": None,
@@ -108,6 +111,15 @@ def test_unknown_job_is_404(client: TestClient) -> None:
         ({"dataset_uri": "gs://data/../other/x.txt"}, 422, "path_traversal", "dataset_uri"),
         ({"output_uri": "gs://data/./out"}, 422, "path_traversal", "output_uri"),
         ({"method": {"type": "full", "lora_rank": 4}}, 422, "invalid_request", "method"),
+        ({"method": {"dpo_beta": 0.2}}, 422, "conflicting_fields", "method"),  # (an sft job's)
+        ({"method": {"objective": "dpo", "dpo_beta": 0}}, 422, "invalid_request", "method.dpo_beta"),
+        ({"method": {"objective": "orpo"}}, 422, "invalid_request", "method.objective"),
+        (
+            {"method": {"objective": "dpo"}, "hyperparameters": {"train_on_inputs": True}},
+            422,
+            "conflicting_fields",
+            None,
+        ),
         ({"hyperparameters": {"learning_rate": -1}}, 422, "invalid_request", "hyperparameters.learning_rate"),
         (
             {"hyperparameters": {"warmup_steps": 10, "warmup_ratio": 0.1}},

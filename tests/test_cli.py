@@ -100,12 +100,22 @@ def test_submit_follow_status_events_checkpoints(live_api, dataset: Path, capsys
     assert code == 0 and more["spec"]["from_job"] == job_id
     assert more["spec"]["method"] == {
         "type": "lora",
+        "objective": "sft",
+        "dpo_beta": None,
         "lora_rank": 8,
         "export_merged": False,
         "export_hf": True,
         "export_gguf": "q8_0",
     }
     assert more["spec"]["base_checkpoint_uri"] == f"{job['output_uri']}/final/params"
+    # Preference fine-tuning; `status` names it beside the method.
+    code, out, _ = run(api, capsys, "submit", str(spec), "--objective", "dpo", "--dpo-beta", "0.3")
+    dpo = api.client().get(f"/jobs/{out.split()[1]}").json()
+    assert (
+        code == 0 and dpo["spec"]["method"]["objective"] == "dpo" and dpo["spec"]["method"]["dpo_beta"] == 0.3
+    )
+    code, out, _ = run(api, capsys, "status", dpo["id"])
+    assert code == 0 and f"{dpo['id']}  {dpo['name']}  {dpo['model']} (full, dpo)  " in out
     # A GGUF type the spec does not take: the API's sentence names those it does (the CLI does not check).
     code, _, err = run(api, capsys, "submit", str(spec), "--export-gguf", "q4_k_m")
     assert code == 3 and all(f"'{kind}'" in err for kind in GGUF_TYPES), err
@@ -716,6 +726,12 @@ def test_data_line() -> None:
         "validation 20 documents"
     )
     assert data_line({"data_stats": {**figures, "validation_documents": None}}).endswith("98 steps an epoch")  # type: ignore[union-attr]
+    # A dpo job's documents are preference pairs.
+    dpo = {"data_stats": {**figures, "preference_pairs": True}}
+    assert data_line(dpo) == (
+        "data: 380 preference pairs, 51,234 tokens in 790 rows of 64 (0.2% padding), 98 steps an epoch; "
+        "validation 20 preference pairs"
+    )
 
 
 def test_metrics_table_csv_and_pages(live_api, dataset: Path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -160,16 +160,17 @@ def sign_in(page: Page, key: str) -> Page:
     return page
 
 
-def create(api: LiveApi, dataset: Path, name: str) -> str:
+def create(api: LiveApi, dataset: Path, name: str, **spec: Any) -> str:
     with api.client() as http:
-        response = http.post("/jobs", json={"name": name, "model": "tiny", "dataset_uri": str(dataset)})
+        body = {"name": name, "model": "tiny", "dataset_uri": str(dataset), **spec}
+        response = http.post("/jobs", json=body)
     assert response.status_code == 201, response.text
     return response.json()["id"]
 
 
-def started(api: LiveApi, dataset: Path, name: str) -> tuple[str, str]:
+def started(api: LiveApi, dataset: Path, name: str, **spec: Any) -> tuple[str, str]:
     """A job as the dispatcher leaves it after launch: starting, with a worker token."""
-    job_id = create(api, dataset, name)
+    job_id = create(api, dataset, name, **spec)
     engine = api.server.config.app.state.engine  # type: ignore[union-attr]
     with Session(engine, expire_on_commit=False) as session:
         job = session.exec(select(Job).where(Job.id == job_id)).one()
@@ -217,6 +218,23 @@ def step(n: int, loss: float, total: int = 20) -> dict[str, Any]:
 
 def series(page: Page, name: str, chart: str = "loss-chart") -> list[list[float]]:
     return json.loads(page.locator(f'#{chart} path[data-series="{name}"]').get_attribute("data-points") or "")
+
+
+def test_a_dpo_job_page_says_it_learns_from_preference_pairs(
+    live_api: Callable[..., LiveApi], dataset: Path, open_tab: Callable[[LiveApi, str], Tab]
+) -> None:
+    api = live_api(dispatcher_enabled=False)
+    job_id, token = started(api, dataset, "preferences", method={"type": "lora", "objective": "dpo"})
+    figures = {"documents": 270, "tokens": 28_000, "target_tokens": 9_000, "rows": 270, "row_tokens": 64}
+    figures |= {"pad_fraction": 0.1, "steps_per_epoch": 33, "total_steps": 33, "validation_documents": 30}
+    report(api, job_id, token, [{"kind": "data", **figures, "preference_pairs": True}])
+    page = open_tab(api, f"/ui/jobs/{job_id}").page
+    expect(page.locator("#f-method")).to_have_text("lora, dpo")
+    expect(page.locator("#f-data")).to_have_text(
+        "270 preference pairs, 28,000 tokens in 270 rows of 64 (10.0% padding); 33 steps an epoch; "
+        "validation 30 preference pairs"
+    )
+    expect(page.locator('#events li[data-type="data"]')).to_contain_text("Data: 270 preference pairs")
 
 
 def test_job_page_shows_history_updates_live_and_cancels(

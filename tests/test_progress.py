@@ -362,7 +362,7 @@ def test_what_the_data_came_to_shows_on_the_job(client: TestClient, dataset: Pat
     job_id, token = started_job(client, dataset)
     assert client.get(f"/jobs/{job_id}").json()["data_stats"] is None
     assert post(client, job_id, token, [DATA]).json()["accepted"] == 1
-    figures = {name: value for name, value in DATA.items() if name != "kind"}
+    figures = {name: value for name, value in DATA.items() if name != "kind"} | {"preference_pairs": False}
     assert client.get(f"/jobs/{job_id}").json()["data_stats"] == figures
     assert client.get("/jobs").json()["data"][0]["data_stats"] == figures
     [event] = client.get(f"/jobs/{job_id}/events", params={"type": "data"}).json()["data"]

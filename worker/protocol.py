@@ -166,6 +166,11 @@ class DataFigures(BaseModel):
     total_steps: Annotated[int, Field(ge=0, le=MAX_COUNT)]
     validation_documents: Annotated[int, Field(ge=0, le=MAX_COUNT)] | None = None
     validation_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] | None = None
+    preference_pairs: bool = Field(
+        default=False,
+        description="The documents are preference pairs (a dpo job's): each a prompt with a chosen and a "
+        "rejected reply, its tokens both; `target_tokens` are the replies'.",
+    )
 
 
 class DataReport(_Report, DataFigures):

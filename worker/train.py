@@ -585,6 +585,7 @@ class _Run:
                 total_steps=self.total_steps,
                 validation_documents=held_out.documents if held_out else None,
                 validation_tokens=held_out.tokens if held_out else None,
+                preference_pairs=self.train_data.pairs,
             )
         )
 

@@ -99,7 +99,7 @@ function showJob(next) {
   const spec = JSON.stringify(job.spec, null, 2);
   if ($("f-spec").textContent !== spec) $("f-spec").textContent = spec; // (unchanged: its scroll stays)
   $("f-model").textContent = job.model;
-  $("f-method").textContent = job.method;
+  $("f-method").textContent = job.spec.method.objective === "dpo" ? `${job.method}, dpo` : job.method;
   $("f-executor").textContent = job.executor;
   $("f-tenant").textContent = job.tenant;
   $("f-loss").textContent = formatNumber(job.metrics.loss);
@@ -408,15 +408,16 @@ for (const action of ["pause", "resume"]) {
 }
 
 // What the data came to: "380 documents, 51,234 tokens in 790 rows of 64 (0.2% padding); 98 steps an
-// epoch; validation 20 documents" (— until the worker has packed it).
+// epoch; validation 20 documents" (a dpo job's: preference pairs; — until the worker has packed it).
 function formatData(data) {
   if (!data) return "—";
   const padding = `${(data.pad_fraction * 100).toFixed(1)}% padding`;
-  let text = `${formatInteger(data.documents)} documents, ${formatInteger(data.tokens)} tokens in `
+  const documents = data.preference_pairs ? "preference pairs" : "documents";
+  let text = `${formatInteger(data.documents)} ${documents}, ${formatInteger(data.tokens)} tokens in `
     + `${formatInteger(data.rows)} rows of ${data.row_tokens} (${padding}); `
     + `${formatInteger(data.steps_per_epoch)} steps an epoch`;
   if (data.validation_documents != null) {
-    text += `; validation ${formatInteger(data.validation_documents)} documents`;
+    text += `; validation ${formatInteger(data.validation_documents)} ${documents}`;
   }
   return text;
 }

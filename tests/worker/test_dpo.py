@@ -145,7 +145,7 @@ def test_a_dpo_run_learns_the_preferences_against_its_initial_weights(
     loss is the validation pairs' against the weights it started from, not against later ones."""
     output, recorder = full_dpo
     (data,) = recorder.of_kind("data")
-    assert data.documents == 270 and data.validation_documents == 30  # (pairs)
+    assert data.preference_pairs and data.documents == 270 and data.validation_documents == 30
     evals = recorder.of_kind("eval")
     assert [e.step for e in evals] == [0, 3, 6]
     assert evals[0].eval_loss == pytest.approx(LN2, abs=1e-6) and evals[0].eval_accuracy == 0
