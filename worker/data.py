@@ -822,10 +822,11 @@ class _ShardedData:
         self.shard_batch_size = global_batch_size // num_shards
         # Tokenizer models without a pad piece say -1; pad slots are masked, so any valid id serves.
         pad_id = max(tokenizer.pad_id, 0)
+        self.pairs = any(isinstance(document, Preference) for document in documents)
+        check_objective(documents, "the data", "dpo" if self.pairs else "sft")  # (pairs alone, or none)
         mine = [shard_documents(documents, seed, shard, num_shards) for shard in self.shard_indices]
         documents_here = [d for shard in mine for d in shard]
         encoded = iter(encode_documents(documents_here, tokenizer, num_threads, train_on_inputs))
-        self.pairs = any(isinstance(document, Preference) for document in documents)
         per_document = 2 if self.pairs else 1
         self.shards = [
             PackedShard(
