@@ -1,7 +1,7 @@
 """Preference fine-tuning (DPO) of the real Gemma 3 270M beside supervised fine-tuning (SFT) on the same
 preferred replies: what a step costs, and whether the model learns the preference.
 
-    .venv/bin/python bench/dpo.py                        # LoRA, 20 steps each: ~15 min on 2 cores
+    .venv/bin/python bench/dpo.py                        # LoRA, 20 steps each: ~5 min on 2 cores
     .venv/bin/python bench/dpo.py --steps 10 --method full
 
 Pairs from generated stories (`worker.stories`): the prompt a story's first sentence, the chosen reply its

@@ -5,11 +5,13 @@
   with Gemma's special ids (pad 0, eos 1, bos 2, unk 3), byte fallback and the chat markers as single pieces.
 * ``tiny_tokenizer`` (session): that model loaded as a :class:`worker.tokenizer.Tokenizer`.
 * ``plain_tokenizer`` (session): a smaller SentencePiece model without the chat markers.
+* ``tiny`` (module): the tiny model (full, float32) and its initial params at seed 0, as a run starts.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sentencepiece as spm
@@ -51,3 +53,18 @@ def plain_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
         minloglevel=2,
     )
     return Tokenizer.load(prefix.with_suffix(".model"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_tokenizer: Tokenizer) -> tuple[Any, dict]:
+    import jax.numpy as jnp  # (here: gemma's import takes seconds, and not every module needs it)
+
+    from worker import model as gemma
+    from worker import train
+
+    model = gemma.build_model(
+        "tiny", tiny_tokenizer.vocab_size, lora_rank=None, param_dtype=jnp.float32, compute_dtype=jnp.float32
+    )
+    mesh = train.make_mesh(1)
+    params, _ = model.init_params(0, (train.tree_shardings(mesh, model.abstract_params()[0]), {}))
+    return model, params

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -53,16 +52,6 @@ def pairs_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ]
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     return path
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_tokenizer: Tokenizer) -> tuple[gemma.Model, Any]:
-    model = gemma.build_model(
-        "tiny", tiny_tokenizer.vocab_size, lora_rank=None, param_dtype=jnp.float32, compute_dtype=jnp.float32
-    )
-    mesh = train.make_mesh(1)
-    params, _ = model.init_params(0, (train.tree_shardings(mesh, model.abstract_params()[0]), {}))
-    return model, params
 
 
 def rows_of(pairs: list[Preference], tokenizer: Tokenizer) -> dict[str, np.ndarray]:

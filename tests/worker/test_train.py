@@ -44,16 +44,6 @@ SEQ = 64
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_tokenizer: Tokenizer) -> tuple[gemma.Model, dict]:
-    model = gemma.build_model(
-        "tiny", tiny_tokenizer.vocab_size, lora_rank=None, param_dtype=jnp.float32, compute_dtype=jnp.float32
-    )
-    mesh = train.make_mesh(1)
-    params, _ = model.init_params(0, (train.tree_shardings(mesh, model.abstract_params()[0]), {}))
-    return model, params
-
-
-@pytest.fixture(scope="module")
 def batch(story_corpus: Path, tiny_tokenizer: Tokenizer) -> dict[str, np.ndarray]:
     data = TrainData(read_documents(str(story_corpus))[:40], tiny_tokenizer, SEQ, 8, 0, [0], 1)
     return data.batch(0)
