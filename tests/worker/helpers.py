@@ -14,8 +14,10 @@ from typing import Any
 import pytest
 
 from worker.config import WorkerConfig
+from worker.data import Preference
 from worker.protocol import MetricsReport, Report
 from worker.report import Reporter
+from worker.stories import generate_stories
 from worker.train import RunOptions
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -184,3 +186,24 @@ def run_hf(
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads((workdir / "result.json").read_text())
     return result, np.load(workdir / "logits.npy") if tokens is not None else None
+
+
+def preference_pairs(count: int, seed: int) -> list[Preference]:
+    """Story openings, each with its next words (chosen) and those words backwards (rejected): a preference
+    a model can learn, short enough that a pair fits a row of 64 tokens."""
+    pairs = []
+    for story in generate_stories(count, seed):
+        words = story.split()
+        reply = words[5:13]
+        pairs.append(Preference(" ".join(words[:5]), " " + " ".join(reply), " " + " ".join(reply[::-1])))
+    return pairs
+
+
+def write_preference_pairs(path: Path, count: int, seed: int) -> Path:
+    """`preference_pairs` as a JSONL dataset of `{"prompt", "chosen", "rejected"}` records."""
+    records = [
+        {"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected}
+        for p in preference_pairs(count, seed)
+    ]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import jax
@@ -26,6 +27,7 @@ from tests.worker.helpers import (
     report_losses,
     start_worker,
     tiny_config,
+    write_preference_pairs,
 )
 from worker import model as gemma
 from worker import train
@@ -133,3 +135,55 @@ def test_two_processes_reproduce_the_single_process_losses(
         **single_data.model_dump(mode="json", exclude_none=True),
         "time": None,
     }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_processes_reproduce_a_single_process_dpo_run(
+    tmp_path: Path,
+    tiny_tokenizer_path: Path,
+    compile_cache: dict[str, str],  # noqa: F811
+) -> None:
+    """Preference pairs, each process packing its own shard's, and a full job's reference (its initial
+    weights, copied across both processes' devices): the same losses as one process holding both shards."""
+    pairs = write_preference_pairs(tmp_path / "pairs.jsonl", 120, 5)
+    hyper = {"max_steps": 4, "eval_every_steps": 2, "learning_rate": 1e-3, "lr_scheduler": "constant"}
+    spec = {"validation_split": 0.1, "method": {"objective": "dpo"}}
+    coordinator = f"127.0.0.1:{free_port()}"
+    pair = [
+        start_worker(
+            tiny_config(tmp_path / "pair", pairs, tiny_tokenizer_path, spec=spec, **hyper),
+            tmp_path,
+            env={
+                **compile_cache,
+                "JAX_NUM_CPU_DEVICES": "2",
+                "JAX_COORDINATOR_ADDRESS": coordinator,
+                "JAX_NUM_PROCESSES": "2",
+                "JAX_PROCESS_ID": str(index),
+            },
+            name=f"dpo{index}",
+        )
+        for index in (0, 1)
+    ]
+    single = Recorder()
+    config = tiny_config(tmp_path / "single", pairs, tiny_tokenizer_path, spec=spec, **hyper)
+    assert train.run(config, single, dataclasses.replace(TEST_OPTIONS, data_shards=2)) == EXIT_OK
+    outputs = [process.communicate(timeout=500)[0] for process in pair]
+    for index, process in enumerate(pair):
+        assert process.returncode == EXIT_OK, (tmp_path / f"dpo{index}.log").read_text()[-3000:]
+    reports = parse_reports(outputs[0])
+    pair_losses, single_losses = report_losses(reports), losses(single.reports)
+    assert sorted(pair_losses) == sorted(single_losses) == [1, 2, 3, 4]
+    assert pair_losses[1] == pytest.approx(math.log(2), abs=1e-6)  # (the model is its reference)
+    np.testing.assert_allclose(
+        [pair_losses[s] for s in range(1, 5)], [single_losses[s] for s in range(1, 5)], rtol=1e-4
+    )
+    pair_evals = [(r["step"], r["eval_loss"]) for r in reports if r["kind"] == "eval"]
+    single_evals = [(e.step, e.eval_loss) for e in single.of_kind("eval")]
+    assert [s for s, _ in pair_evals] == [s for s, _ in single_evals] == [0, 2, 4]
+    np.testing.assert_allclose([v for _, v in pair_evals], [v for _, v in single_evals], rtol=1e-4)
+    assert pair_evals[-1][1] < math.log(2)
+    (pair_data,) = [report for report in reports if report["kind"] == "data"]
+    (single_data,) = single.of_kind("data")
+    assert pair_data["preference_pairs"] and pair_data["documents"] == single_data.documents == 108
+    assert pair_data["rows"] == single_data.rows

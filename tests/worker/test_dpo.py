@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -11,13 +10,19 @@ import jax
 import numpy as np
 import pytest
 
-from tests.worker.helpers import TEST_OPTIONS, Recorder, compile_cache, tiny_config  # noqa: F401
+from tests.worker.helpers import (  # noqa: F401
+    TEST_OPTIONS,
+    Recorder,
+    compile_cache,
+    preference_pairs,
+    tiny_config,
+    write_preference_pairs,
+)
 from tests.worker.test_train import saved_params
 from worker import model as gemma
 from worker import train
 from worker.config import EXIT_OK
 from worker.data import EvalData, Preference, encode_documents
-from worker.stories import generate_stories
 from worker.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("compile_cache")
@@ -33,25 +38,9 @@ DPO_HYPERPARAMETERS: dict[str, Any] = {
 }
 
 
-def preference_pairs(count: int, seed: int) -> list[Preference]:
-    """Story openings, each with its next words (chosen) and those words backwards (rejected): a preference
-    a model can learn, short enough that a pair fits a row of 64 tokens."""
-    pairs = []
-    for story in generate_stories(count, seed):
-        words = story.split()
-        reply = words[5:13]
-        pairs.append(Preference(" ".join(words[:5]), " " + " ".join(reply), " " + " ".join(reply[::-1])))
-    return pairs
-
-
 @pytest.fixture(scope="module")
 def pairs_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
-    records = [
-        {"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected} for p in preference_pairs(300, 0)
-    ]
-    path.write_text("".join(json.dumps(record) + "\n" for record in records))
-    return path
+    return write_preference_pairs(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", 300, 0)
 
 
 def rows_of(pairs: list[Preference], tokenizer: Tokenizer) -> dict[str, np.ndarray]:
