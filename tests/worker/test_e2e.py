@@ -139,6 +139,44 @@ def test_real_worker_job_succeeds_with_history_and_checkpoints(  # type: ignore[
     )
 
 
+def test_sft_then_dpo_from_its_weights(  # type: ignore[no-untyped-def]
+    worker_api, story_corpus: Path, tiny_tokenizer_path: Path
+) -> None:
+    """The usual recipe: a supervised job, then a dpo job on preference pairs from its weights. The dpo
+    job's reference is the model it starts from (the first job's weights), so its first loss is ln 2 exactly;
+    the job object says its data are preference pairs."""
+    import math
+
+    from tests.worker.helpers import write_preference_pairs
+
+    api = worker_api()
+    sft = submit(api, story_corpus, tiny_tokenizer_path, steps=4)
+    first = api.wait_for(sft, lambda j: j["status"] in FINAL, timeout=280)
+    assert first["status"] == "succeeded", first
+    pairs = write_preference_pairs(story_corpus.parent / "e2e_pairs.jsonl", 200, 9)
+    body = {"name": "prefs", "model": "tiny", "dataset_uri": str(pairs), "from_job": sft}
+    body |= {"method": {"type": "full", "objective": "dpo"}, "validation_split": 0.1}
+    body["hyperparameters"] = {"max_steps": 4, "batch_size": 8, "max_seq_len": 64, "learning_rate": 3e-3}
+    body["hyperparameters"] |= {"eval_every_steps": 2}
+    with api.client() as http:
+        created = http.post("/jobs", json=body)
+    assert created.status_code == 201, created.text
+    assert created.json()["spec"]["base_checkpoint_uri"] == first["exports"]["params"]
+    job = api.wait_for(created.json()["id"], lambda j: j["status"] in FINAL, timeout=280)
+    assert job["status"] == "succeeded", job
+    assert job["data_stats"]["preference_pairs"] and job["data_stats"]["documents"] == 180
+    with api.client() as http:
+        points = http.get(f"/jobs/{job['id']}/metrics").json()["data"]
+        data = http.get(f"/jobs/{job['id']}/events", params={"type": "data"}).json()["data"]
+    trained = [p for p in points if p["loss"] is not None]
+    assert trained[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    evals = [(p["step"], p["eval_loss"]) for p in points if p["eval_loss"] is not None]
+    assert [s for s, _ in evals] == [0, 2, 4] and evals[0][1] == pytest.approx(math.log(2), abs=1e-5)
+    assert evals[-1][1] < evals[0][1]
+    assert data[0]["message"].startswith("Data: 180 preference pairs, ")
+    assert Path(job["exports"]["params"]).is_dir()
+
+
 def test_training_survives_the_api_being_down(  # type: ignore[no-untyped-def]
     worker_api, story_corpus: Path, tiny_tokenizer_path: Path
 ) -> None:
