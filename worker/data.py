@@ -687,9 +687,11 @@ class PackedShard:
         self, documents: Sequence[EncodedDocument], row_len: int, pad_id: int, pairs: bool = False
     ) -> None:
         """`pairs`: the documents are preference pairs, chosen and rejected by turns (`pack_pairs`)."""
-        pieces, num_rows = (pack_pairs if pairs else pack)(
-            [len(document.tokens) for document in documents], row_len
-        )
+        sizes = [len(document.tokens) for document in documents]
+        if pairs:
+            pieces, num_rows = pack_pairs(sizes, row_len)
+        else:
+            pieces, num_rows = pack(sizes, row_len)
         self.row_len = row_len
         self.pad_id = pad_id
         self.tokens = np.full((num_rows, row_len), pad_id, dtype=np.int32)
