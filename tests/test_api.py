@@ -112,6 +112,7 @@ def test_unknown_job_is_404(client: TestClient) -> None:
         ({"output_uri": "gs://data/./out"}, 422, "path_traversal", "output_uri"),
         ({"method": {"type": "full", "lora_rank": 4}}, 422, "invalid_request", "method"),
         ({"method": {"dpo_beta": 0.2}}, 422, "conflicting_fields", "method"),  # (an sft job's)
+        ({"method": {"rpo_alpha": 1}}, 422, "conflicting_fields", "method"),
         ({"method": {"objective": "dpo", "dpo_beta": 0}}, 422, "invalid_request", "method.dpo_beta"),
         ({"method": {"objective": "orpo"}}, 422, "invalid_request", "method.objective"),
         (

@@ -102,6 +102,7 @@ def test_submit_follow_status_events_checkpoints(live_api, dataset: Path, capsys
         "type": "lora",
         "objective": "sft",
         "dpo_beta": None,
+        "rpo_alpha": None,
         "lora_rank": 8,
         "export_merged": False,
         "export_hf": True,

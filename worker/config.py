@@ -76,6 +76,12 @@ class Method(_Strict):
         description="DPO only: how far the model may move from the weights it starts from to follow the "
         "preferences (lower: further); default 0.1.",
     )
+    rpo_alpha: Annotated[float, Field(ge=0, le=100)] | None = Field(
+        default=None,
+        description="DPO only: also train on the chosen reply, this weight times its negative log-likelihood "
+        "a token (RPO, as Together's `rpo_alpha`): DPO alone can make both replies less likely while it "
+        "widens the gap between them. Default off.",
+    )
     lora_rank: Annotated[int, Field(ge=1, le=1024)] | None = Field(
         default=None, description="LoRA rank; default 8 for `lora`, must be unset for `full`."
     )
@@ -106,11 +112,12 @@ class Method(_Strict):
                 raise ValueError("export_merged is only valid with method type 'lora'")
         elif self.lora_rank is None:
             self.lora_rank = 8
-        if self.objective == "sft" and self.dpo_beta is not None:
-            raise PydanticCustomError(
-                "conflicting_fields",
-                "dpo_beta is only valid with objective 'dpo': drop it, or set objective dpo",
-            )
+        for name in ("dpo_beta", "rpo_alpha"):
+            if self.objective == "sft" and getattr(self, name) is not None:
+                raise PydanticCustomError(
+                    "conflicting_fields",
+                    f"{name} is only valid with objective 'dpo': drop it, or set objective dpo",
+                )
         if self.objective == "dpo" and self.dpo_beta is None:
             self.dpo_beta = DEFAULT_DPO_BETA
         return self

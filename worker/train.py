@@ -288,20 +288,27 @@ def reference_params(model: gemma.Model, trained: Params, frozen: Params) -> Par
 
 
 def preference_sums(
-    model: gemma.Model, trained: Params, frozen: Params, batch: dict[str, jax.Array], beta: float
+    model: gemma.Model,
+    trained: Params,
+    frozen: Params,
+    batch: dict[str, jax.Array],
+    beta: float,
+    rpo_alpha: float = 0.0,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
     """DPO over a batch of preference pairs: (sum of the pairs' losses -log sigmoid(beta * margin), (number
     of pairs, how many the model prefers rightly: margin > 0, replies' tokens scored)), where margin is how
     much more the model than the reference favours the chosen reply over the rejected (log-probability
-    ratios, each reply's tokens summed)."""
+    ratios, each reply's tokens summed). With `rpo_alpha`, each pair's loss also has that weight times the
+    chosen reply's negative log-likelihood a token (RPO)."""
     policy, counts = sequence_logprobs(gemma.forward(model, trained, frozen, *_inputs(batch)), batch)
     reference_logits = gemma.forward(model, reference_params(model, trained, frozen), frozen, *_inputs(batch))
     reference, _ = sequence_logprobs(jax.lax.stop_gradient(reference_logits), batch)
     ratios = policy - reference
     margin = beta * (ratios[..., 0] - ratios[..., 1])
     pairs = ((counts[..., 0] > 0) & (counts[..., 1] > 0)).astype(jnp.float32)
+    losses = jax.nn.softplus(-margin) + rpo_alpha * -policy[..., 0] / jnp.maximum(counts[..., 0], 1.0)
     return (
-        jnp.sum(jax.nn.softplus(-margin) * pairs),
+        jnp.sum(losses * pairs),
         (jnp.sum(pairs), jnp.sum((margin > 0) * pairs), jnp.sum(counts.sum(axis=-1) * pairs)),
     )
 
@@ -317,9 +324,11 @@ def objective(spec: JobSpec) -> Objective:
     """What a job's step minimizes: `(model, trained, frozen, batch) -> (loss sum, (count it is averaged
     over, count ranked rightly, tokens trained))`: tokens' cross-entropy (sft) or pairs' DPO loss (dpo)."""
     if spec.method.objective == "dpo":
-        beta = spec.method.dpo_beta
+        beta, alpha = spec.method.dpo_beta, spec.method.rpo_alpha or 0.0
         assert beta is not None
-        return lambda model, trained, frozen, batch: preference_sums(model, trained, frozen, batch, beta)
+        return lambda model, trained, frozen, batch: preference_sums(
+            model, trained, frozen, batch, beta, alpha
+        )
     return _sft_sums
 
 

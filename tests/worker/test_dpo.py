@@ -65,7 +65,7 @@ def test_the_dpo_loss_is_each_pairs_own_against_the_reference(
 ) -> None:
     """`preference_sums` over packed rows = DPO computed pair by pair, each document alone: -log sigmoid of
     beta times how much more the model than the reference favours the chosen reply; ln 2 a pair where the
-    model is the reference."""
+    model is the reference. With rpo_alpha, plus that times the chosen reply's NLL a token."""
     model, base = tiny
     leaves, tree = jax.tree.flatten(base)
     keys = jax.random.split(jax.random.key(1), len(leaves))
@@ -77,21 +77,23 @@ def test_the_dpo_loss_is_each_pairs_own_against_the_reference(
     assert (batch["segment_ids"].max(axis=1) > 2).any()  # (rows that hold more than one pair)
     beta = 0.5
     loss_sum, (count, correct, tokens) = train.preference_sums(model, policy, base, batch, beta)
-    margins, scored = [], 0
+    margins, chosen_nll, scored = [], [], 0
     for pair in pairs:
         ratios = []
-        for document in encode_documents([pair], tiny_tokenizer):
+        for index, document in enumerate(encode_documents([pair], tiny_tokenizer)):
             assert document.trained is not None
-            ratios.append(
-                reply_logprob(model, policy, document.tokens, document.trained)
-                - reply_logprob(model, base, document.tokens, document.trained)
-            )
+            logprob = reply_logprob(model, policy, document.tokens, document.trained)
+            ratios.append(logprob - reply_logprob(model, base, document.tokens, document.trained))
+            if index == 0:  # (the chosen reply's)
+                chosen_nll.append(-logprob / document.trained[1:].sum())
             scored += int(document.trained[1:].sum())
         margins.append(beta * (ratios[0] - ratios[1]))
     expected = sum(math.log1p(math.exp(-margin)) for margin in margins)
     assert int(count) == len(pairs) and int(tokens) == scored
     assert int(correct) == sum(margin > 0 for margin in margins) and 0 < int(correct) < len(pairs)
     np.testing.assert_allclose(float(loss_sum), expected, rtol=1e-4)
+    with_nll = train.preference_sums(model, policy, base, batch, beta, rpo_alpha=0.3)[0]
+    np.testing.assert_allclose(float(with_nll), expected + 0.3 * sum(chosen_nll), rtol=1e-4)
     same = train.preference_sums(model, base, base, batch, beta)
     np.testing.assert_allclose(float(same[0]), len(pairs) * LN2, rtol=1e-6)
     assert int(same[1][1]) == 0
