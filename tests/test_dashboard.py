@@ -230,6 +230,8 @@ def test_a_dpo_job_page_says_it_learns_from_preference_pairs(
     report(api, job_id, token, [{"kind": "data", **figures, "preference_pairs": True}])
     page = open_tab(api, f"/ui/jobs/{job_id}").page
     expect(page.locator("#f-method")).to_have_text("lora, dpo")
+    expect(page.locator("#accuracy-label")).to_have_text("Pair accuracy")
+    expect(page.locator("#accuracy-heading")).to_have_text("Pair accuracy")
     expect(page.locator("#f-data")).to_have_text(
         "270 preference pairs, 28,000 tokens in 270 rows of 64 (10.0% padding); 33 steps an epoch; "
         "validation 30 preference pairs"
@@ -307,6 +309,7 @@ def test_job_page_shows_history_updates_live_and_cancels(
     expect(chart.locator("circle.marker")).to_have_count(2)
     # Token accuracy in a chart of its own, training and eval.
     expect(page.locator("#accuracy-card")).to_be_visible()
+    expect(page.locator("#accuracy-heading")).to_have_text("Token accuracy")
     accuracy = page.locator("#accuracy-chart")
     expect(accuracy.locator('path[data-series="accuracy"]')).to_have_attribute("data-count", "10")
     assert series(page, "accuracy", "accuracy-chart") == [[n, pytest.approx(n * 0.03)] for n in range(1, 11)]

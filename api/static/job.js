@@ -99,7 +99,12 @@ function showJob(next) {
   const spec = JSON.stringify(job.spec, null, 2);
   if ($("f-spec").textContent !== spec) $("f-spec").textContent = spec; // (unchanged: its scroll stays)
   $("f-model").textContent = job.model;
-  $("f-method").textContent = job.spec.method.objective === "dpo" ? `${job.method}, dpo` : job.method;
+  const dpo = job.spec.method.objective === "dpo";
+  $("f-method").textContent = dpo ? `${job.method}, dpo` : job.method;
+  // (a dpo job's accuracy: the share of preference pairs whose chosen reply it favours, against its reference)
+  for (const label of ["accuracy-label", "accuracy-heading"]) {
+    $(label).textContent = dpo ? "Pair accuracy" : "Token accuracy";
+  }
   $("f-executor").textContent = job.executor;
   $("f-tenant").textContent = job.tenant;
   $("f-loss").textContent = formatNumber(job.metrics.loss);
