@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -31,11 +32,42 @@ from tests.worker.helpers import (
 )
 from worker import model as gemma
 from worker import train
-from worker.config import EXIT_OK
+from worker.config import EXIT_OK, WorkerConfig
 from worker.gguf_import import gguf_tensor_name
 from worker.hf import hf_tensors
 
 STEPS = 6
+
+
+def start_pair(
+    config: WorkerConfig, tmp_path: Path, cache_env: dict[str, str], name: str
+) -> Callable[[], list[str]]:
+    """Two worker processes (2 CPU devices each, Gloo over localhost) running `config` as one job; returns
+    what waits for both to exit EXIT_OK and gives their outputs (their logs: `{name}{index}.log`)."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    processes = [
+        start_worker(
+            config,
+            tmp_path,
+            env={
+                **cache_env,
+                "JAX_NUM_CPU_DEVICES": "2",
+                "JAX_COORDINATOR_ADDRESS": coordinator,
+                "JAX_NUM_PROCESSES": "2",
+                "JAX_PROCESS_ID": str(index),
+            },
+            name=f"{name}{index}",
+        )
+        for index in (0, 1)
+    ]
+
+    def finished() -> list[str]:
+        outputs = [process.communicate(timeout=500)[0] for process in processes]
+        for index, process in enumerate(processes):
+            assert process.returncode == EXIT_OK, (tmp_path / f"{name}{index}.log").read_text()[-3000:]
+        return outputs
+
+    return finished
 
 
 def test_fsdp_shards_the_largest_divisible_dimension_and_replicates_small_arrays() -> None:
@@ -60,7 +92,6 @@ def test_two_processes_reproduce_the_single_process_losses(
     tiny_tokenizer_path: Path,
     compile_cache: dict[str, str],  # noqa: F811
 ) -> None:
-    coordinator = f"127.0.0.1:{free_port()}"
     # With an eval every step and export_best: the lowest eval loss (step 3's of 6 at this constant learning
     # rate) is found by both, and its checkpoint restored and exported by every process.
     hyper = {"max_steps": STEPS, "eval_every_steps": 1, "export_best": True, "learning_rate": 3e-2}
@@ -69,29 +100,13 @@ def test_two_processes_reproduce_the_single_process_losses(
     # The pair also exports a Hugging Face model and a GGUF file: each weight gathered from both processes
     # to the first.
     pair_spec = {**spec, "method": {"type": "full", "export_hf": True, "export_gguf": "f32"}}
-    pair = [
-        start_worker(
-            tiny_config(tmp_path / "pair", story_corpus, tiny_tokenizer_path, spec=pair_spec, **hyper),
-            tmp_path,
-            env={
-                **compile_cache,
-                "JAX_NUM_CPU_DEVICES": "2",
-                "JAX_COORDINATOR_ADDRESS": coordinator,
-                "JAX_NUM_PROCESSES": "2",
-                "JAX_PROCESS_ID": str(index),
-            },
-            name=f"process{index}",
-        )
-        for index in (0, 1)
-    ]
+    pair = tiny_config(tmp_path / "pair", story_corpus, tiny_tokenizer_path, spec=pair_spec, **hyper)
+    finished = start_pair(pair, tmp_path, compile_cache, "process")
     # Meanwhile this process, holding both data shards, builds exactly the global batches the pair builds.
     single = Recorder()
     config = tiny_config(tmp_path / "single", story_corpus, tiny_tokenizer_path, spec=spec, **hyper)
     assert train.run(config, single, dataclasses.replace(TEST_OPTIONS, data_shards=2)) == EXIT_OK
-    outputs = [process.communicate(timeout=500)[0] for process in pair]
-
-    for index, process in enumerate(pair):
-        assert process.returncode == EXIT_OK, (tmp_path / f"process{index}.log").read_text()[-3000:]
+    outputs = finished()
     assert parse_reports(outputs[1]) == []  # only process 0 reports
     pair_losses = report_losses(parse_reports(outputs[0]))
     single_losses = losses(single.reports)
@@ -149,29 +164,12 @@ def test_two_processes_reproduce_a_single_process_dpo_run(
     pairs = write_preference_pairs(tmp_path / "pairs.jsonl", 120, 5)
     hyper = {"max_steps": 4, "eval_every_steps": 2, "learning_rate": 1e-3, "lr_scheduler": "constant"}
     spec = {"validation_split": 0.1, "method": {"objective": "dpo"}}
-    coordinator = f"127.0.0.1:{free_port()}"
-    pair = [
-        start_worker(
-            tiny_config(tmp_path / "pair", pairs, tiny_tokenizer_path, spec=spec, **hyper),
-            tmp_path,
-            env={
-                **compile_cache,
-                "JAX_NUM_CPU_DEVICES": "2",
-                "JAX_COORDINATOR_ADDRESS": coordinator,
-                "JAX_NUM_PROCESSES": "2",
-                "JAX_PROCESS_ID": str(index),
-            },
-            name=f"dpo{index}",
-        )
-        for index in (0, 1)
-    ]
+    pair = tiny_config(tmp_path / "pair", pairs, tiny_tokenizer_path, spec=spec, **hyper)
+    finished = start_pair(pair, tmp_path, compile_cache, "dpo")
     single = Recorder()
     config = tiny_config(tmp_path / "single", pairs, tiny_tokenizer_path, spec=spec, **hyper)
     assert train.run(config, single, dataclasses.replace(TEST_OPTIONS, data_shards=2)) == EXIT_OK
-    outputs = [process.communicate(timeout=500)[0] for process in pair]
-    for index, process in enumerate(pair):
-        assert process.returncode == EXIT_OK, (tmp_path / f"dpo{index}.log").read_text()[-3000:]
-    reports = parse_reports(outputs[0])
+    reports = parse_reports(finished()[0])
     pair_losses, single_losses = report_losses(reports), losses(single.reports)
     assert sorted(pair_losses) == sorted(single_losses) == [1, 2, 3, 4]
     assert pair_losses[1] == pytest.approx(math.log(2), abs=1e-6)  # (the model is its reference)
