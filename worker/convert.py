@@ -57,7 +57,8 @@ def convert(
         shardings = tree_shardings(make_mesh(1), model.abstract_params()[0])
         base = gemma.load_base_params(spec, model, shardings, cache_dir)
         weights = cast(jax.jit(gemma.merge_lora)(base, adapter))
-    adapter = cast(adapter) if adapter is not None else None
+    # (the adapter on its own goes only to the Hugging Face export, for PEFT)
+    adapter = cast(adapter) if adapter is not None and hf else None
     written = export_formats(
         weights,
         adapter,

@@ -207,7 +207,7 @@ def _tensor_type(hf_name: str, shape: tuple[int, ...], qtype: GGMLQuantizationTy
 
 
 def _tensor_bytes(shape: tuple[int, ...], kind: GGMLQuantizationType) -> int:
-    return int(np.prod(quant_shape_to_byte_shape(shape, kind))) if shape else 0
+    return int(np.prod(quant_shape_to_byte_shape(shape, kind)))
 
 
 def _encode(array: np.ndarray, kind: GGMLQuantizationType, *, norm: bool) -> np.ndarray:
