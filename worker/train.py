@@ -281,10 +281,12 @@ def sequence_logprobs(logits: jax.Array, batch: dict[str, jax.Array]) -> tuple[j
     return per_segment(logprobs), per_segment(batch["loss_mask"])
 
 
-def reference_params(model: gemma.Model, trained: Params, frozen: Params) -> Params:
-    """The trained params of a dpo job's reference model, the weights it started from: a LoRA job's adapter
-    at zero (the base alone), a full fine-tune's initial weights (kept as its `frozen`)."""
-    return jax.tree.map(jnp.zeros_like, trained) if model.lora_rank is not None else frozen
+def reference_logits(model: gemma.Model, frozen: Params, batch: dict[str, jax.Array]) -> jax.Array:
+    """The logits of a dpo job's reference model, the weights it started from: a LoRA job's base alone (the
+    adapter off: the plain network on its frozen params), a full fine-tune's initial weights (`frozen`)."""
+    if model.lora_rank is not None:
+        model = dataclasses.replace(model, module=model.base, lora_rank=None)
+    return gemma.forward(model, frozen, {}, *_inputs(batch))
 
 
 def preference_sums(
@@ -301,8 +303,7 @@ def preference_sums(
     ratios, each reply's tokens summed). With `rpo_alpha`, each pair's loss also has that weight times the
     chosen reply's negative log-likelihood a token (RPO)."""
     policy, counts = sequence_logprobs(gemma.forward(model, trained, frozen, *_inputs(batch)), batch)
-    reference_logits = gemma.forward(model, reference_params(model, trained, frozen), frozen, *_inputs(batch))
-    reference, _ = sequence_logprobs(jax.lax.stop_gradient(reference_logits), batch)
+    reference, _ = sequence_logprobs(jax.lax.stop_gradient(reference_logits(model, frozen, batch)), batch)
     ratios = policy - reference
     margin = beta * (ratios[..., 0] - ratios[..., 1])
     pairs = ((counts[..., 0] > 0) & (counts[..., 1] > 0)).astype(jnp.float32)
@@ -655,7 +656,7 @@ class _Run:
         )
         latest = self.checkpoints.latest_step()
         # A full dpo job's reference model is its initial weights, kept apart (as its `frozen`) from the
-        # trained ones: `reference_params`. (A LoRA job's is its frozen base.)
+        # trained ones: `reference_logits`. (A LoRA job's is its frozen base.)
         full_reference = self.spec.method.objective == "dpo" and self.model.lora_rank is None
         if latest is None:
             trained, frozen = self._initial_params(shardings)
