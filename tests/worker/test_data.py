@@ -395,6 +395,24 @@ def _parquet_bytes(table: pa.Table) -> bytes:
     return bytes(sink.getvalue())
 
 
+def openai_pair(messages: list[dict], preferred: list[dict], rejected: list[dict]) -> bytes:
+    """One preference record in OpenAI's shape, as a JSONL file's bytes."""
+    record = {
+        "input": {"messages": messages},
+        "preferred_output": preferred,
+        "non_preferred_output": rejected,
+    }
+    return jsonl(record).encode()
+
+
+def user(content: str) -> dict:
+    return {"role": "user", "content": content}
+
+
+def assistant(content: str) -> dict:
+    return {"role": "assistant", "content": content}
+
+
 BAD_FILES = [
     ("empty.txt", b"", "dataset_empty", "is empty"),
     ("blank.jsonl", b" \n\n ", "dataset_empty", "is empty"),
@@ -549,25 +567,13 @@ BAD_FILES = [
     ),
     (
         "two_replies.jsonl",
-        jsonl(
-            {
-                "input": {"messages": [{"role": "user", "content": "Q"}]},
-                "preferred_output": [{"role": "assistant", "content": "A"}] * 2,
-                "non_preferred_output": [{"role": "assistant", "content": "B"}],
-            }
-        ).encode(),
+        openai_pair([user("Q")], [assistant("A")] * 2, [assistant("B")]),
         "invalid_preference",
         '"preferred_output" must be a list of exactly one assistant message',
     ),
     (
         "user_reply.jsonl",
-        jsonl(
-            {
-                "input": {"messages": [{"role": "user", "content": "Q"}]},
-                "preferred_output": [{"role": "assistant", "content": "A"}],
-                "non_preferred_output": [{"role": "user", "content": "B"}],
-            }
-        ).encode(),
+        openai_pair([user("Q")], [assistant("A")], [user("B")]),
         "invalid_preference",
         "\"non_preferred_output\" must be an assistant (model) message, not 'user'",
     ),
@@ -579,15 +585,7 @@ BAD_FILES = [
     ),
     (
         "prompt_ends_with_reply.jsonl",
-        jsonl(
-            {
-                "input": {
-                    "messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
-                },
-                "preferred_output": [{"role": "assistant", "content": "B"}],
-                "non_preferred_output": [{"role": "assistant", "content": "C"}],
-            }
-        ).encode(),
+        openai_pair([user("Q"), assistant("A")], [assistant("B")], [assistant("C")]),
         "invalid_chat",
         "line 1: message 3 is a model turn where a user turn belongs",
     ),
