@@ -127,7 +127,12 @@ class LiveApi:
 
     def start(self) -> None:
         app = create_app(self.settings)
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.settings.port, log_level="warning")
+        # No log_config (as `tputune serve`): uvicorn's would go through logging.config.dictConfig, which
+        # closes every logging handler the process ever made, absl's among them once a worker test imported
+        # it, and that one's stream is pytest's capture of stderr, which every later test then lost.
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.settings.port, log_level="warning", log_config=None
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
