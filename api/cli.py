@@ -170,8 +170,15 @@ def is_dpo(job: dict[str, Any]) -> bool:
     return bool((job.get("spec") or {}).get("method", {}).get("objective") == "dpo")
 
 
+def method_name(job: dict[str, Any]) -> str:
+    """How a job trains, as "lora", "full, dpo" or "lora, simpo" (a dpo job with `simpo_gamma`)."""
+    if not is_dpo(job):
+        return str(job["method"])
+    return f"{job['method']}, {'simpo' if job['spec']['method'].get('simpo_gamma') else 'dpo'}"
+
+
 def _print_job(job: dict[str, Any]) -> None:
-    method = f"{job['method']}, dpo" if is_dpo(job) else job["method"]
+    method = method_name(job)
     print(f"{job['id']}  {job['name']}  {job['model']} ({method})  {job['status']}{queue_place(job)}")
     if job.get("status_message"):
         print(f"  {job['status_message']}")
@@ -458,6 +465,7 @@ def delete(args: argparse.Namespace) -> int:
 METRIC_COLUMNS = (
     *("step", "loss", "accuracy", "eval_loss", "eval_accuracy", "learning_rate", "grad_norm"),
     *("tokens_per_second", "trained_tokens", "epoch"),
+    *("chosen_reward", "rejected_reward", "eval_chosen_reward", "eval_rejected_reward"),
 )
 
 
@@ -481,13 +489,19 @@ def metrics(args: argparse.Namespace) -> int:
     if not points:
         print("no metrics yet")
         return 0
-    print(f"{'STEP':>8} {'LOSS':>9} {'ACC':>7} {'EVAL LOSS':>10} {'EVAL ACC':>9} {'LR':>10} {'TOK/S':>9}")
+    # A dpo job's rewards (the step's, chosen and rejected), where its worker reported them.
+    rewards = any(p.get("chosen_reward") is not None for p in points)
+    header = f"{'STEP':>8} {'LOSS':>9} {'ACC':>7} {'EVAL LOSS':>10} {'EVAL ACC':>9} {'LR':>10} {'TOK/S':>9}"
+    print(header + (f" {'CHOSEN':>8} {'REJECTED':>8}" if rewards else ""))
     for p in points:
-        print(
+        line = (
             f"{p['step']:>8} {_num(p['loss']):>9} {_percent(p.get('accuracy')):>7} "
             f"{_num(p['eval_loss']):>10} {_percent(p.get('eval_accuracy')):>9} "
             f"{_num(p['learning_rate'], '.3e'):>10} {_num(p['tokens_per_second'], ',.0f'):>9}"
         )
+        if rewards:
+            line += f" {_num(p.get('chosen_reward'), '+.4f'):>8} {_num(p.get('rejected_reward'), '+.4f'):>8}"
+        print(line)
     return 0
 
 

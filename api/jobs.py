@@ -1163,6 +1163,13 @@ def authenticate_worker(session: Session, job_id: str, token: str | None) -> Job
     return job
 
 
+def _rewards(chosen: float | None, rejected: float | None) -> str:
+    """A dpo job's rewards in an event's message: ", rewards chosen +0.120, rejected -0.310"."""
+    if chosen is None or rejected is None:
+        return ""
+    return f", rewards chosen {chosen:+.3f}, rejected {rejected:+.3f}"
+
+
 def _event_for(report: Any) -> tuple[str, str, str]:
     """(type, level, message) of the event a report becomes."""
     match report:
@@ -1170,9 +1177,11 @@ def _event_for(report: Any) -> tuple[str, str, str]:
             total = f"/{report.total_steps}" if report.total_steps else ""
             loss = f" loss {report.loss:.4f}" if report.loss is not None else ""
             loss += f", accuracy {report.accuracy:.1%}" if report.accuracy is not None and loss else ""
+            loss += _rewards(report.chosen_reward, report.rejected_reward) if loss else ""
             return "metrics", "info", f"step {report.step}{total}:{loss}".rstrip(":")
         case EvalReport():
             accuracy = f", accuracy {report.eval_accuracy:.1%}" if report.eval_accuracy is not None else ""
+            accuracy += _rewards(report.eval_chosen_reward, report.eval_rejected_reward)
             return "eval", "info", f"step {report.step}: eval loss {report.eval_loss:.4f}{accuracy}"
         case CheckpointReport():
             return "checkpoint", "info", f"Checkpoint saved at step {report.step}: {report.uri}"
@@ -1367,8 +1376,10 @@ METRIC_FIELDS = (
     "tokens_per_second",
     "trained_tokens",
     "epoch",
+    "chosen_reward",
+    "rejected_reward",
 )
-EVAL_FIELDS = ("eval_loss", "eval_accuracy")
+EVAL_FIELDS = ("eval_loss", "eval_accuracy", "eval_chosen_reward", "eval_rejected_reward")
 
 
 def metrics_history(

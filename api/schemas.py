@@ -374,6 +374,23 @@ class MetricPoint(BaseModel):
     tokens_per_second: float | None
     trained_tokens: int | None
     epoch: float | None
+    chosen_reward: float | None = Field(
+        default=None,
+        description="A dpo job's: the mean reward of the step's chosen replies, beta times how much more "
+        "likely the model makes them than the weights it started from (their log-probability ratio; "
+        "SimPO: beta times their mean log-probability a token). Below 0: the chosen replies grow less "
+        "likely too (`method.rpo_alpha` counters it). Null for other jobs.",
+    )
+    rejected_reward: float | None = Field(
+        default=None,
+        description="A dpo job's: the same for the rejected replies; the gap between the two is the margin.",
+    )
+    eval_chosen_reward: float | None = Field(
+        default=None, description="`chosen_reward` on the validation pairs."
+    )
+    eval_rejected_reward: float | None = Field(
+        default=None, description="`rejected_reward` on the validation pairs."
+    )
 
 
 class MetricsPage(BaseModel):

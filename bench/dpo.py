@@ -1,18 +1,20 @@
-"""Preference fine-tuning (DPO) of the real Gemma 3 270M beside supervised fine-tuning (SFT) on the same
-preferred replies: what a step costs, and whether the model learns the preference.
+"""Preference fine-tuning (DPO, and SimPO) of the real Gemma 3 270M beside supervised fine-tuning (SFT) on
+the same preferred replies: what a step costs, and whether the model learns the preference.
 
-    .venv/bin/python bench/dpo.py                        # LoRA, 20 steps each: ~5 min on 2 cores
+    .venv/bin/python bench/dpo.py                        # LoRA, 20 steps each: ~7 min on 2 cores
     .venv/bin/python bench/dpo.py --steps 10 --method full
+    .venv/bin/python bench/dpo.py --objectives sft,dpo   # (sft, dpo and simpo by default)
 
 Pairs from generated stories (`worker.stories`): the prompt a story's first sentence, the chosen reply its
 next two sentences, the rejected reply the next two sentences of another story (prose as fluent, that does
 not follow). Both jobs run through the worker (`worker.train.run`) on the packaged Gemma 3 270M (the demo's
 weights), rows of 128 tokens, held-out pairs (a file of their own) evaluated at the start and the end: the
-dpo job on the pairs, the sft job on the same prompts with their chosen replies. Figures per job: seconds
-a step (the median, past the first), and the share of held-out pairs whose chosen reply the model finds
-likelier than the rejected one (log-probabilities of the replies' tokens summed), before and after; the
-dpo job's eval loss and accuracy (pairs it prefers rightly, against its reference) too. The LAST line is
-one JSON object.
+dpo job on the pairs, the simpo job too (a dpo job with `simpo_gamma`: no reference model; beta 2,
+gamma 1, as SimPO's paper), the sft job on the same prompts with their chosen replies. Figures per job:
+seconds a step (the median, past the first), and the share of held-out pairs whose chosen reply the model
+finds likelier than the rejected one (log-probabilities of the replies' tokens summed), before and after;
+the dpo and simpo jobs' eval loss, accuracy (pairs it prefers rightly, by its own rewards) and mean
+rewards of the chosen and rejected replies too. The LAST line is one JSON object.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--learning-rate", type=float, default=None, help="default 5e-4 (LoRA), 2e-5 (full)")
     parser.add_argument("--held-out", type=int, default=24)
+    parser.add_argument("--objectives", default="sft,dpo,simpo", help="which jobs, of sft, dpo and simpo")
     args = parser.parse_args()
 
     import jax
@@ -123,8 +126,8 @@ def main() -> int:
                 total += int(real.sum())
             return right / total
 
-        for objective in ("sft", "dpo"):
-            if objective == "dpo":
+        for objective in args.objectives.split(","):
+            if objective != "sft":
                 data, validation = write_jsonl(work / "train.jsonl", train_pairs), held_pairs
             else:
                 completions = [{"prompt": r["prompt"], "completion": r["chosen"]} for r in train_pairs]
@@ -133,7 +136,12 @@ def main() -> int:
                     work / "held_out_sft.jsonl",
                     [{"prompt": r["prompt"], "completion": r["chosen"]} for r in held_out],
                 )
-            method: dict[str, Any] = {"type": args.method, "objective": objective}
+            method: dict[str, Any] = {
+                "type": args.method,
+                "objective": "sft" if objective == "sft" else "dpo",
+            }
+            if objective == "simpo":
+                method.update(simpo_gamma=1.0, dpo_beta=2.0)
             if args.method == "lora":
                 method["export_merged"] = True
             spec = {
@@ -168,7 +176,7 @@ def main() -> int:
                 statistics.median(b - a for a, b in itertools.pairwise(times)) if len(times) > 2 else None
             )
             final = ocp.StandardCheckpointer().restore(output / "final" / "params")
-            if objective == "sft":
+            if "base_prefers_chosen" not in figures:
                 figures["base_prefers_chosen"] = round(
                     prefers_chosen(load_gguf_params(gguf, dtype="float32")["params"]), 3
                 )
@@ -180,19 +188,32 @@ def main() -> int:
                 "eval_loss": [round(e.eval_loss, 4) for e in reporter.evals],
                 "eval_accuracy": [round(e.eval_accuracy or 0, 3) for e in reporter.evals],
             }
+            rewards = ""
+            if objective != "sft":
+                last = reporter.evals[-1]
+                job["eval_rewards"] = [
+                    round(last.eval_chosen_reward or 0, 3),
+                    round(last.eval_rejected_reward or 0, 3),
+                ]
+                rewards = (
+                    f", rewards chosen {job['eval_rewards'][0]:+.3f} rejected {job['eval_rewards'][1]:+.3f}"
+                )
             figures[objective] = job
             print(
                 f"{objective}: {args.steps} {args.method} steps, {job['step_s']} s a step, {seconds:.0f} s "
                 f"in all; eval loss {job['eval_loss'][0]} -> {job['eval_loss'][-1]}, accuracy "
-                f"{job['eval_accuracy'][0]} -> {job['eval_accuracy'][-1]}; prefers the chosen reply in "
-                f"{job['prefers_chosen']:.0%} of {len(held_out)} held-out pairs"
+                f"{job['eval_accuracy'][0]} -> {job['eval_accuracy'][-1]}{rewards}; prefers the chosen reply "
+                f"in {job['prefers_chosen']:.0%} of {len(held_out)} held-out pairs"
             )
     print(
         f"base model: prefers the chosen reply in {figures['base_prefers_chosen']:.0%} of the held-out pairs"
     )
-    if figures["sft"]["step_s"] and figures["dpo"]["step_s"]:
-        figures["dpo_step_cost"] = round(figures["dpo"]["step_s"] / figures["sft"]["step_s"], 2)
-        print(f"a dpo step costs {figures['dpo_step_cost']}x an sft step of as many rows")
+    for objective in ("dpo", "simpo"):
+        if figures.get("sft", {}).get("step_s") and figures.get(objective, {}).get("step_s"):
+            cost = figures[f"{objective}_step_cost"] = round(
+                figures[objective]["step_s"] / figures["sft"]["step_s"], 2
+            )
+            print(f"a {objective} step costs {cost}x an sft step of as many rows")
     print(json.dumps(figures))
     return 0
 

@@ -113,6 +113,9 @@ def test_unknown_job_is_404(client: TestClient) -> None:
         ({"method": {"type": "full", "lora_rank": 4}}, 422, "invalid_request", "method"),
         ({"method": {"dpo_beta": 0.2}}, 422, "conflicting_fields", "method"),  # (an sft job's)
         ({"method": {"rpo_alpha": 1}}, 422, "conflicting_fields", "method"),
+        ({"method": {"simpo_gamma": 0}}, 422, "conflicting_fields", "method"),
+        ({"method": {"dpo_normalize_logratios_by_length": True}}, 422, "conflicting_fields", "method"),
+        ({"method": {"objective": "dpo", "simpo_gamma": -1}}, 422, "invalid_request", "method.simpo_gamma"),
         ({"method": {"objective": "dpo", "dpo_beta": 0}}, 422, "invalid_request", "method.dpo_beta"),
         ({"method": {"objective": "orpo"}}, 422, "invalid_request", "method.objective"),
         (

@@ -103,6 +103,8 @@ def test_submit_follow_status_events_checkpoints(live_api, dataset: Path, capsys
         "objective": "sft",
         "dpo_beta": None,
         "rpo_alpha": None,
+        "dpo_normalize_logratios_by_length": False,
+        "simpo_gamma": None,
         "lora_rank": 8,
         "export_merged": False,
         "export_hf": True,
@@ -117,6 +119,13 @@ def test_submit_follow_status_events_checkpoints(live_api, dataset: Path, capsys
     )
     code, out, _ = run(api, capsys, "status", dpo["id"])
     assert code == 0 and f"{dpo['id']}  {dpo['name']}  {dpo['model']} (full, dpo)  " in out
+    code, out, _ = run(
+        api, capsys, "submit", str(spec), "--objective", "dpo", "--set", "method.simpo_gamma=1"
+    )
+    simpo = api.client().get(f"/jobs/{out.split()[1]}").json()
+    assert code == 0 and simpo["spec"]["method"]["simpo_gamma"] == 1
+    code, out, _ = run(api, capsys, "status", simpo["id"])
+    assert code == 0 and f"{simpo['model']} (full, simpo)  " in out
     # A GGUF type the spec does not take: the API's sentence names those it does (the CLI does not check).
     code, _, err = run(api, capsys, "submit", str(spec), "--export-gguf", "q4_k_m")
     assert code == 3 and all(f"'{kind}'" in err for kind in GGUF_TYPES), err
@@ -778,3 +787,17 @@ def test_metrics_table_csv_and_pages(live_api, dataset: Path, capsys) -> None:  
         assert [p["step"] for p in client.metric_points(job_id, min_step=11, page=2)] == [11, 12, 13]
     code, out, _ = run(api, capsys, "metrics", created := create(api, dataset, "none yet"))
     assert (code, out) == (0, "no metrics yet\n"), created
+    # A dpo job's rewards: two more columns in the table, four in the CSV.
+    job_id, token = started(api, dataset, "dpo curve")
+    rewards = {"chosen_reward": 0.25, "rejected_reward": -0.125}
+    eval_rewards = {"eval_chosen_reward": 0.5, "eval_rejected_reward": -1.5}
+    report(api, job_id, token, [step(1, 0.69, total=2), {**step(2, 0.5, total=2), **rewards}])
+    report(api, job_id, token, [{"kind": "eval", "step": 2, "eval_loss": 0.4, **eval_rewards}])
+    code, out, _ = run(api, capsys, "metrics", job_id)
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split()[-2:] == ["CHOSEN", "REJECTED"]
+    assert lines[1].split()[-2:] == ["-", "-"] and lines[2].split()[-2:] == ["+0.2500", "-0.1250"]
+    code, out, _ = run(api, capsys, "metrics", job_id, "--csv")
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert rows[1] == {**rows[1], "chosen_reward": "0.25", "eval_rejected_reward": "-1.5"}
+    assert rows[0]["chosen_reward"] == ""

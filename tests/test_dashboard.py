@@ -237,6 +237,31 @@ def test_a_dpo_job_page_says_it_learns_from_preference_pairs(
         "validation 30 preference pairs"
     )
     expect(page.locator('#events li[data-type="data"]')).to_contain_text("Data: 270 preference pairs")
+    # Its rewards, chosen and rejected, on a chart of their own: from the history, then as they come.
+    expect(page.locator("#rewards-card")).to_be_hidden()
+    rewards = [
+        {"chosen_reward": 0.0, "rejected_reward": 0.0},
+        {"chosen_reward": 0.25, "rejected_reward": -0.5},
+    ]
+    report(api, job_id, token, [{**step(n, 0.69, total=33), **r} for n, r in enumerate(rewards, 1)])
+    page.reload()
+    expect(page.locator("#rewards-card")).to_be_visible()
+    rewards_chart = page.locator("#rewards-chart")
+    expect(rewards_chart.locator('path[data-series="chosen_reward"]')).to_have_attribute("data-count", "2")
+    assert series(page, "rejected_reward", "rewards-chart") == [[1, 0.0], [2, -0.5]]
+    report(api, job_id, token, [{**step(3, 0.6, total=33), "chosen_reward": 0.5, "rejected_reward": -1.0}])
+    evaluated = {"eval_chosen_reward": 0.375, "eval_rejected_reward": -0.75}
+    report(api, job_id, token, [{"kind": "eval", "step": 3, "eval_loss": 0.6, **evaluated}])
+    expect(rewards_chart.locator('path[data-series="chosen_reward"]')).to_have_attribute("data-count", "3")
+    expect(rewards_chart.locator('path[data-series="eval_rejected_reward"]')).to_have_attribute(
+        "data-count", "1"
+    )
+    assert series(page, "eval_chosen_reward", "rewards-chart") == [[3, 0.375]]
+    # A SimPO job (dpo with simpo_gamma) says so.
+    method = {"type": "lora", "objective": "dpo", "simpo_gamma": 1.0, "dpo_beta": 2.0}
+    simpo = create(api, dataset, "simpo", method=method)
+    page.goto(f"{api.url}/ui/jobs/{simpo}")
+    expect(page.locator("#f-method")).to_have_text("lora, simpo")
 
 
 def test_job_page_shows_history_updates_live_and_cancels(
@@ -309,6 +334,7 @@ def test_job_page_shows_history_updates_live_and_cancels(
     expect(chart.locator("circle.marker")).to_have_count(2)
     # Token accuracy in a chart of its own, training and eval.
     expect(page.locator("#accuracy-card")).to_be_visible()
+    expect(page.locator("#rewards-card")).to_be_hidden()  # (an sft job: no rewards)
     expect(page.locator("#accuracy-heading")).to_have_text("Token accuracy")
     accuracy = page.locator("#accuracy-chart")
     expect(accuracy.locator('path[data-series="accuracy"]')).to_have_attribute("data-count", "10")

@@ -98,6 +98,36 @@ def test_reports_update_the_job(client: TestClient, dataset: Path) -> None:
     assert types.count("metrics") == 3 and "checkpoint" in types and "eval" in types
 
 
+def test_a_dpo_jobs_rewards_are_in_its_history_and_events(client: TestClient, dataset: Path) -> None:
+    """A dpo job's worker reports each step's mean rewards of the chosen and rejected replies (and each
+    eval's): the metrics history has them per step, next to the loss, and the events say them."""
+    job_id, token = started_job(client, dataset)
+    rewards = {"chosen_reward": 0.125, "rejected_reward": -0.5}
+    eval_report = {"kind": "eval", "step": 2, "eval_loss": 0.6, "eval_accuracy": 0.75}
+    response = post(
+        client,
+        job_id,
+        token,
+        [
+            metrics(1, 0.69, accuracy=0.0),
+            {**metrics(2, 0.55, accuracy=0.5), **rewards},
+            {**eval_report, "eval_chosen_reward": 0.25, "eval_rejected_reward": -0.75},
+        ],
+    )
+    assert response.status_code == 200, response.text
+    points = client.get(f"/jobs/{job_id}/metrics").json()["data"]
+    assert [(p["step"], p["chosen_reward"], p["rejected_reward"]) for p in points] == [
+        (1, None, None),
+        (2, 0.125, -0.5),
+    ]
+    assert (points[1]["eval_chosen_reward"], points[1]["eval_rejected_reward"]) == (0.25, -0.75)
+    assert points[1]["loss"] == 0.55 and points[1]["eval_loss"] == 0.6
+    messages = [e["message"] for e in client.get(f"/jobs/{job_id}/events").json()["data"]]
+    assert "step 2/10: loss 0.5500, accuracy 50.0%, rewards chosen +0.125, rejected -0.500" in messages
+    assert "step 2: eval loss 0.6000, accuracy 75.0%, rewards chosen +0.250, rejected -0.750" in messages
+    assert "step 1/10: loss 0.6900, accuracy 0.0%" in messages
+
+
 def test_a_result_of_the_lowest_eval_gives_the_job_that_step_and_its_figures(
     client: TestClient, dataset: Path
 ) -> None:

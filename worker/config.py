@@ -82,6 +82,19 @@ class Method(_Strict):
         "a token (RPO, as Together's `rpo_alpha`): DPO alone can make both replies less likely while it "
         "widens the gap between them. Default off.",
     )
+    dpo_normalize_logratios_by_length: bool = Field(
+        default=False,
+        description="DPO only: each reply's log-probability ratio a token, not summed over its tokens (as "
+        "Together's): a long reply does not weigh more for being long.",
+    )
+    simpo_gamma: Annotated[float, Field(ge=0, le=100)] | None = Field(
+        default=None,
+        description="DPO only: above 0, SimPO (as Together's `simpo_gamma`): no reference model, each "
+        "reply's reward is beta times its mean log-probability a token, and the chosen must beat the "
+        "rejected by this margin; cheaper than DPO (no reference's forward pass, and a full job keeps no "
+        "second copy of the weights). SimPO's paper used beta 2 to 10, simpo_gamma about half of beta. 0 or "
+        "unset: off.",
+    )
     lora_rank: Annotated[int, Field(ge=1, le=1024)] | None = Field(
         default=None, description="LoRA rank; default 8 for `lora`, must be unset for `full`."
     )
@@ -112,8 +125,9 @@ class Method(_Strict):
                 raise ValueError("export_merged is only valid with method type 'lora'")
         elif self.lora_rank is None:
             self.lora_rank = 8
-        for name in ("dpo_beta", "rpo_alpha"):
-            if self.objective == "sft" and getattr(self, name) is not None:
+        for name in ("dpo_beta", "rpo_alpha", "simpo_gamma", "dpo_normalize_logratios_by_length"):
+            value = getattr(self, name)
+            if self.objective == "sft" and value is not None and value is not False:
                 raise PydanticCustomError(
                     "conflicting_fields",
                     f"{name} is only valid with objective 'dpo': drop it, or set objective dpo",
@@ -121,6 +135,16 @@ class Method(_Strict):
         if self.objective == "dpo" and self.dpo_beta is None:
             self.dpo_beta = DEFAULT_DPO_BETA
         return self
+
+    @property
+    def simpo(self) -> bool:
+        """A dpo job's loss is SimPO's: reference-free, each reply's log-probability a token."""
+        return self.objective == "dpo" and bool(self.simpo_gamma)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Its loss measures the model against the weights it starts from (DPO, not SimPO)."""
+        return self.objective == "dpo" and not self.simpo
 
 
 class Hyperparameters(_Strict):

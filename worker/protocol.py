@@ -76,6 +76,14 @@ class StatusReport(_Report):
     )
 
 
+_CHOSEN_REWARD = (
+    "A dpo job's: the mean over the pairs of the chosen reply's reward, beta times how much more likely the "
+    "model makes it than the weights it started from (log-probability ratio; SimPO: beta times its mean "
+    "log-probability a token). Falling below 0: the chosen replies grow less likely too."
+)
+_REJECTED_REWARD = "A dpo job's: the same for the rejected replies; the gap to the chosen's is the margin."
+
+
 class MetricsReport(_Report):
     kind: Literal["metrics"] = "metrics"
     total_steps: Annotated[int, Field(ge=1, le=MAX_STEP)] | None = None
@@ -84,6 +92,8 @@ class MetricsReport(_Report):
     accuracy: Accuracy | None = Field(
         default=None, description="The share of the step's target tokens the model ranked first."
     )
+    chosen_reward: float | None = Field(default=None, description=_CHOSEN_REWARD)
+    rejected_reward: float | None = Field(default=None, description=_REJECTED_REWARD)
     learning_rate: float | None = None
     grad_norm: float | None = None
     tokens_per_second: Annotated[float, Field(ge=0)] | None = None
@@ -92,7 +102,7 @@ class MetricsReport(_Report):
     )
     eta_seconds: Annotated[float, Field(ge=0)] | None = None
 
-    @field_validator("loss", "grad_norm", mode="before")
+    @field_validator("loss", "grad_norm", "chosen_reward", "rejected_reward", mode="before")
     @classmethod
     def _nan_to_none(cls, value: object) -> object:
         # A NaN loss is reported as an error report; the metric itself is stored as missing.
@@ -104,6 +114,13 @@ class EvalReport(_Report):
     eval_loss: float
     eval_accuracy: Accuracy | None = None
     eval_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] | None = None
+    eval_chosen_reward: float | None = Field(default=None, description=_CHOSEN_REWARD)
+    eval_rejected_reward: float | None = Field(default=None, description=_REJECTED_REWARD)
+
+    @field_validator("eval_chosen_reward", "eval_rejected_reward", mode="before")
+    @classmethod
+    def _nan_to_none(cls, value: object) -> object:
+        return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 class CheckpointReport(_Report):

@@ -257,12 +257,15 @@ def loss_sums(
     return jnp.sum(losses * mask), (jnp.sum(mask), correct)
 
 
-def _sft_sums(
-    model: gemma.Model, trained: Params, frozen: Params, batch: dict[str, jax.Array]
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+# What a job's step minimizes, on one microbatch: (loss sum, (the count it is averaged over, how many of
+# those the model gets right, tokens trained, {figure: sum} more figures averaged over the same count)).
+Sums = tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array, dict[str, jax.Array]]]
+
+
+def _sft_sums(model: gemma.Model, trained: Params, frozen: Params, batch: dict[str, jax.Array]) -> Sums:
     """`loss_sums`, with its token count twice: as what the loss is averaged over, and as tokens trained."""
     loss_sum, (count, correct) = loss_sums(model, trained, frozen, batch)
-    return loss_sum, (count, correct, count)
+    return loss_sum, (count, correct, count, {})
 
 
 def sequence_logprobs(logits: jax.Array, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -296,21 +299,42 @@ def preference_sums(
     batch: dict[str, jax.Array],
     beta: float,
     rpo_alpha: float = 0.0,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
-    """DPO over a batch of preference pairs: (sum of the pairs' losses -log sigmoid(beta * margin), (number
-    of pairs, how many the model prefers rightly: margin > 0, replies' tokens scored)), where margin is how
-    much more the model than the reference favours the chosen reply over the rejected (log-probability
-    ratios, each reply's tokens summed). With `rpo_alpha`, each pair's loss also has that weight times the
-    chosen reply's negative log-likelihood a token (RPO)."""
+    *,
+    per_token: bool = False,
+    simpo_gamma: float | None = None,
+) -> Sums:
+    """DPO over a batch of preference pairs: (sum of the pairs' losses -log sigmoid(margin), (number of
+    pairs, how many the model prefers rightly: margin > 0, replies' tokens scored, {"chosen_reward",
+    "rejected_reward": sums of the pairs' rewards})).
+
+    A reply's reward is beta times how much more likely the model makes it than the reference does (its
+    log-probability ratio, the reply's tokens summed; with `per_token`, their mean), and the margin is the
+    chosen reply's reward less the rejected one's. With `simpo_gamma`, SimPO: no reference, a reply's reward
+    is beta times its mean log-probability a token, and the loss asks for a margin above `simpo_gamma`.
+    With `rpo_alpha`, each pair's loss also has that weight times the chosen reply's negative
+    log-likelihood a token (RPO)."""
     policy, counts = sequence_logprobs(gemma.forward(model, trained, frozen, *_inputs(batch)), batch)
-    reference, _ = sequence_logprobs(jax.lax.stop_gradient(reference_logits(model, frozen, batch)), batch)
-    ratios = policy - reference
-    margin = beta * (ratios[..., 0] - ratios[..., 1])
+    lengths = jnp.maximum(counts, 1.0)
+    if simpo_gamma is None:
+        reference, _ = sequence_logprobs(jax.lax.stop_gradient(reference_logits(model, frozen, batch)), batch)
+        ratios = (policy - reference) / lengths if per_token else policy - reference
+    else:
+        ratios = policy / lengths
+    rewards = beta * ratios
+    margin = rewards[..., 0] - rewards[..., 1]
     pairs = ((counts[..., 0] > 0) & (counts[..., 1] > 0)).astype(jnp.float32)
-    losses = jax.nn.softplus(-margin) + rpo_alpha * -policy[..., 0] / jnp.maximum(counts[..., 0], 1.0)
+    losses = jax.nn.softplus((simpo_gamma or 0.0) - margin) + rpo_alpha * -policy[..., 0] / lengths[..., 0]
     return (
         jnp.sum(losses * pairs),
-        (jnp.sum(pairs), jnp.sum((margin > 0) * pairs), jnp.sum(counts.sum(axis=-1) * pairs)),
+        (
+            jnp.sum(pairs),
+            jnp.sum((margin > 0) * pairs),
+            jnp.sum(counts.sum(axis=-1) * pairs),
+            {
+                "chosen_reward": jnp.sum(rewards[..., 0] * pairs),
+                "rejected_reward": jnp.sum(rewards[..., 1] * pairs),
+            },
+        ),
     )
 
 
@@ -318,17 +342,25 @@ def _inputs(batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Arra
     return batch["tokens"], batch["segment_ids"], batch["positions"]
 
 
-Objective = Callable[[gemma.Model, Params, Params, dict[str, jax.Array]], tuple]
+Objective = Callable[[gemma.Model, Params, Params, dict[str, jax.Array]], Sums]
 
 
 def objective(spec: JobSpec) -> Objective:
-    """What a job's step minimizes: `(model, trained, frozen, batch) -> (loss sum, (count it is averaged
-    over, count ranked rightly, tokens trained))`: tokens' cross-entropy (sft) or pairs' DPO loss (dpo)."""
-    if spec.method.objective == "dpo":
-        beta, alpha = spec.method.dpo_beta, spec.method.rpo_alpha or 0.0
+    """What a job's step minimizes: `(model, trained, frozen, batch) -> Sums`: tokens' cross-entropy (sft)
+    or pairs' DPO loss (dpo; SimPO's with `simpo_gamma`)."""
+    method = spec.method
+    if method.objective == "dpo":
+        beta, alpha = method.dpo_beta, method.rpo_alpha or 0.0
         assert beta is not None
         return lambda model, trained, frozen, batch: preference_sums(
-            model, trained, frozen, batch, beta, alpha
+            model,
+            trained,
+            frozen,
+            batch,
+            beta,
+            alpha,
+            per_token=method.dpo_normalize_logratios_by_length,
+            simpo_gamma=method.simpo_gamma if method.simpo else None,
         )
     return _sft_sums
 
@@ -358,18 +390,20 @@ def make_train_step(
         grad_fn = jax.value_and_grad(lambda p, micro: objective(model, p, frozen, micro), has_aux=True)
 
         def accumulate(grads: Params, micro: dict[str, jax.Array]) -> tuple:
-            (loss_sum, (count, correct, tokens)), micro_grads = grad_fn(params, micro)
-            return jax.tree.map(jnp.add, grads, micro_grads), (loss_sum, count, correct, tokens)
+            (loss_sum, (count, correct, tokens, more)), micro_grads = grad_fn(params, micro)
+            return jax.tree.map(jnp.add, grads, micro_grads), (loss_sum, count, correct, tokens, more)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        per_micro: tuple[jax.Array, jax.Array, jax.Array, jax.Array]
+        per_micro: tuple
         grads, per_micro = jax.lax.scan(accumulate, zeros, microbatches(batch, accumulation))
-        loss_sum, count, correct, tokens = (jnp.sum(x) for x in per_micro)
-        grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1.0), grads)
+        loss_sum, count, correct, tokens, more = jax.tree.map(jnp.sum, per_micro)
+        denominator = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g / denominator, grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         metrics = {
-            "loss": loss_sum / jnp.maximum(count, 1.0),
-            "accuracy": correct / jnp.maximum(count, 1.0),
+            **{name: total / denominator for name, total in more.items()},
+            "loss": loss_sum / denominator,
+            "accuracy": correct / denominator,
             "tokens": tokens,
             "grad_norm": optax.global_norm(grads),
             "learning_rate": schedule(state["step"]),
@@ -386,15 +420,16 @@ def make_train_step(
 
 
 def make_eval_step(model: gemma.Model, accumulation: int, objective: Objective = _sft_sums) -> Callable:
-    """(params, frozen, batch) -> (loss sum, token count, tokens predicted, token count) (dpo: pairs, pairs
-    preferred rightly, their replies' tokens), in the same microbatches as training."""
+    """(params, frozen, batch) -> the objective's sums over the batch: (loss sum, token count, tokens
+    predicted, token count, {}) (dpo: pairs, pairs preferred rightly, their replies' tokens, their rewards),
+    in the same microbatches as training."""
 
     def eval_step(params: Params, frozen: Params, batch: dict[str, jax.Array]) -> tuple:
-        def add(total: tuple, micro: dict[str, jax.Array]) -> tuple:
-            loss_sum, (count, correct, tokens) = objective(model, params, frozen, micro)
-            return tuple(a + b for a, b in zip(total, (loss_sum, count, correct, tokens), strict=True)), None
+        def sums(micro: dict[str, jax.Array]) -> tuple:
+            loss_sum, (count, correct, tokens, more) = objective(model, params, frozen, micro)
+            return loss_sum, count, correct, tokens, more
 
-        return jax.lax.scan(add, (0.0, 0.0, 0.0, 0.0), microbatches(batch, accumulation))[0]
+        return jax.tree.map(jnp.sum, jax.lax.map(sums, microbatches(batch, accumulation)))
 
     return eval_step
 
@@ -657,7 +692,7 @@ class _Run:
         latest = self.checkpoints.latest_step()
         # A full dpo job's reference model is its initial weights, kept apart (as its `frozen`) from the
         # trained ones: `reference_logits`. (A LoRA job's is its frozen base.)
-        full_reference = self.spec.method.objective == "dpo" and self.model.lora_rank is None
+        full_reference = self.spec.method.needs_reference and self.model.lora_rank is None
         if latest is None:
             trained, frozen = self._initial_params(shardings)
             if full_reference:
@@ -867,6 +902,8 @@ class _Run:
                 epoch=(step + 1) / self.train_data.steps_per_epoch,
                 loss=values["loss"],
                 accuracy=values["accuracy"],
+                chosen_reward=values.get("chosen_reward"),
+                rejected_reward=values.get("rejected_reward"),
                 learning_rate=values["learning_rate"],
                 grad_norm=values["grad_norm"],
                 tokens_per_second=values["tokens"] / elapsed if elapsed > 0 else None,
@@ -879,12 +916,11 @@ class _Run:
     def _evaluate(self, state: Params, frozen: Params, step: int) -> Evaluated:
         assert self.eval_data is not None
         rows = batch_sharding(self.mesh)
-        total, count, correct, tokens = 0.0, 0.0, 0.0, 0.0
+        sums: Any = None
         for local in self.eval_data.eval_batches(self.eval_batches):
-            sums = self.eval_fn(state["params"], frozen, global_batch(local, rows))
-            total, count, correct, tokens = (
-                a + float(b) for a, b in zip((total, count, correct, tokens), sums, strict=True)
-            )
+            batch_sums = jax.device_get(self.eval_fn(state["params"], frozen, global_batch(local, rows)))
+            sums = batch_sums if sums is None else jax.tree.map(np.add, sums, batch_sums)
+        total, count, correct, tokens, more = jax.tree.map(float, sums)
         evaluated = Evaluated(step, total / max(count, 1.0), correct / max(count, 1.0))
         if not math.isfinite(evaluated.loss):
             raise LossNotFinite(step, evaluated.loss, "eval loss")
@@ -899,6 +935,7 @@ class _Run:
                 eval_loss=evaluated.loss,
                 eval_accuracy=evaluated.accuracy,
                 eval_tokens=int(tokens),
+                **{f"eval_{name}": value / max(count, 1.0) for name, value in more.items()},
             )
         )
         return evaluated

@@ -52,6 +52,27 @@ function addAccuracy(name, step, value) {
   accuracyChart.add(name, step, value);
   $("accuracy-card").hidden = false;
 }
+// A dpo job's rewards, chosen and rejected: shown once its worker reports them.
+const REWARDS = ["chosen_reward", "rejected_reward", "eval_chosen_reward", "eval_rejected_reward"];
+const rewardsChart = new LineChart(
+  $("rewards-chart"),
+  [
+    { name: "chosen_reward", title: "Chosen reward", markers: false },
+    { name: "rejected_reward", title: "Rejected reward", markers: false },
+    { name: "eval_chosen_reward", title: "Eval chosen reward", markers: true },
+    { name: "eval_rejected_reward", title: "Eval rejected reward", markers: true },
+  ],
+  { xTitle: "Step", yTitle: "Reward", readout: $("rewards-readout") },
+);
+
+function addRewards(step, data, names) {
+  for (const name of names) {
+    const value = data?.[name];
+    if (value === null || value === undefined) continue;
+    rewardsChart.add(name, step, value);
+    $("rewards-card").hidden = false;
+  }
+}
 const sampleRows = new Map();
 const checkpointRows = new Map();
 let job = null;
@@ -100,7 +121,8 @@ function showJob(next) {
   if ($("f-spec").textContent !== spec) $("f-spec").textContent = spec; // (unchanged: its scroll stays)
   $("f-model").textContent = job.model;
   const dpo = job.spec.method.objective === "dpo";
-  $("f-method").textContent = dpo ? `${job.method}, dpo` : job.method;
+  const simpo = dpo && Boolean(job.spec.method.simpo_gamma);
+  $("f-method").textContent = dpo ? `${job.method}, ${simpo ? "simpo" : "dpo"}` : job.method;
   // (a dpo job's accuracy: the share of preference pairs whose chosen reply it favours, against its reference)
   for (const label of ["accuracy-label", "accuracy-heading"]) {
     $(label).textContent = dpo ? "Pair accuracy" : "Token accuracy";
@@ -227,10 +249,12 @@ function handleEvent(event) {
     case "metrics":
       chart.add("loss", event.step, event.data?.loss);
       addAccuracy("accuracy", event.step, event.data?.accuracy);
+      addRewards(event.step, event.data, REWARDS.slice(0, 2));
       return;
     case "eval":
       chart.add("eval_loss", event.step, event.data?.eval_loss);
       addAccuracy("eval_accuracy", event.step, event.data?.eval_accuracy);
+      addRewards(event.step, event.data, REWARDS.slice(2));
       break;
     case "sample":
       addSample(event);
@@ -270,6 +294,10 @@ async function loadMetrics() {
     accuracyChart.set(name, points.map((p) => ({ step: p.step, value: p[name] ?? null })));
   }
   if (points.some((p) => (p.accuracy ?? p.eval_accuracy ?? null) !== null)) $("accuracy-card").hidden = false;
+  for (const name of REWARDS) {
+    rewardsChart.set(name, points.map((p) => ({ step: p.step, value: p[name] ?? null })));
+  }
+  if (points.some((p) => REWARDS.some((name) => (p[name] ?? null) !== null))) $("rewards-card").hidden = false;
 }
 
 // Metrics events after `after` may repeat points loaded from /metrics; the chart keeps one per step.
@@ -301,6 +329,7 @@ function follow(after) {
       if (event.type === "status" && Number.isInteger(event.data?.resumed_from)) {
         chart.truncate(event.data.resumed_from);
         accuracyChart.truncate(event.data.resumed_from);
+        rewardsChart.truncate(event.data.resumed_from);
       }
       handleEvent(event);
       if (event.type === "status" && event.data?.status) setStatus(event.data.status);

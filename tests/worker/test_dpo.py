@@ -76,27 +76,53 @@ def test_the_dpo_loss_is_each_pairs_own_against_the_reference(
     batch = rows_of(pairs, tiny_tokenizer)
     assert (batch["segment_ids"].max(axis=1) > 2).any()  # (rows that hold more than one pair)
     beta = 0.5
-    loss_sum, (count, correct, tokens) = train.preference_sums(model, policy, base, batch, beta)
-    margins, chosen_nll, scored = [], [], 0
+    loss_sum, (count, correct, tokens, rewards) = train.preference_sums(model, policy, base, batch, beta)
+    # Per pair and reply (chosen, rejected): log p under the policy and the reference, and tokens scored.
+    logprobs, references, lengths = [], [], []
     for pair in pairs:
-        ratios = []
-        for index, document in enumerate(encode_documents([pair], tiny_tokenizer)):
-            assert document.trained is not None
-            logprob = reply_logprob(model, policy, document.tokens, document.trained)
-            ratios.append(logprob - reply_logprob(model, base, document.tokens, document.trained))
-            if index == 0:  # (the chosen reply's)
-                chosen_nll.append(-logprob / document.trained[1:].sum())
-            scored += int(document.trained[1:].sum())
-        margins.append(beta * (ratios[0] - ratios[1]))
-    expected = sum(math.log1p(math.exp(-margin)) for margin in margins)
-    assert int(count) == len(pairs) and int(tokens) == scored
-    assert int(correct) == sum(margin > 0 for margin in margins) and 0 < int(correct) < len(pairs)
+        documents = encode_documents([pair], tiny_tokenizer)
+        assert all(document.trained is not None for document in documents)
+        logprobs.append([reply_logprob(model, policy, d.tokens, d.trained) for d in documents])  # type: ignore[arg-type]
+        references.append([reply_logprob(model, base, d.tokens, d.trained) for d in documents])  # type: ignore[arg-type]
+        lengths.append([int(d.trained[1:].sum()) for d in documents])  # type: ignore[index]
+    policy_lp, reference_lp, length = np.array(logprobs), np.array(references), np.array(lengths)
+    ratios = beta * (policy_lp - reference_lp)
+    margins = ratios[:, 0] - ratios[:, 1]
+    expected = np.sum(np.logaddexp(0, -margins))
+    assert int(count) == len(pairs) and int(tokens) == length.sum()
+    assert int(correct) == np.sum(margins > 0) and 0 < int(correct) < len(pairs)
     np.testing.assert_allclose(float(loss_sum), expected, rtol=1e-4)
+    np.testing.assert_allclose(
+        [float(rewards["chosen_reward"]), float(rewards["rejected_reward"])], ratios.sum(axis=0), rtol=1e-4
+    )
+    chosen_nll = -policy_lp[:, 0] / length[:, 0]
     with_nll = train.preference_sums(model, policy, base, batch, beta, rpo_alpha=0.3)[0]
-    np.testing.assert_allclose(float(with_nll), expected + 0.3 * sum(chosen_nll), rtol=1e-4)
+    np.testing.assert_allclose(float(with_nll), expected + 0.3 * chosen_nll.sum(), rtol=1e-4)
     same = train.preference_sums(model, base, base, batch, beta)
     np.testing.assert_allclose(float(same[0]), len(pairs) * LN2, rtol=1e-6)
-    assert int(same[1][1]) == 0
+    assert int(same[1][1]) == 0 and abs(float(same[1][3]["chosen_reward"])) < 1e-5
+
+    # Length-normalized: each reply's log-ratio a token.
+    per_token = beta * (policy_lp - reference_lp) / length
+    loss_sum, (_, correct, _, rewards) = train.preference_sums(
+        model, policy, base, batch, beta, per_token=True
+    )
+    margins = per_token[:, 0] - per_token[:, 1]
+    np.testing.assert_allclose(float(loss_sum), np.sum(np.logaddexp(0, -margins)), rtol=1e-4)
+    assert int(correct) == np.sum(margins > 0)
+    np.testing.assert_allclose(float(rewards["rejected_reward"]), per_token[:, 1].sum(), rtol=1e-4)
+
+    # SimPO: no reference (none given: it is not read), each reply's mean log-probability, a margin gamma.
+    simpo = beta * policy_lp / length
+    margins = simpo[:, 0] - simpo[:, 1]
+    loss_sum, (_, correct, _, rewards) = train.preference_sums(
+        model, policy, {}, batch, beta, simpo_gamma=0.2
+    )
+    np.testing.assert_allclose(float(loss_sum), np.sum(np.logaddexp(0, 0.2 - margins)), rtol=1e-4)
+    assert int(correct) == np.sum(margins > 0) and 0 < int(correct) < len(pairs)
+    np.testing.assert_allclose(
+        [float(rewards["chosen_reward"]), float(rewards["rejected_reward"])], simpo.sum(axis=0), rtol=1e-4
+    )
 
 
 def dpo_run(output: Path, pairs_path: Path, tokenizer: Path, method: str = "full", **hyper: Any) -> Recorder:
@@ -131,6 +157,16 @@ def test_a_dpo_run_learns_the_preferences_against_its_initial_weights(
     assert evals[0].eval_loss == pytest.approx(LN2, abs=1e-6) and evals[0].eval_accuracy == 0
     first = recorder.of_kind("metrics")[0]
     assert first.loss == pytest.approx(LN2, abs=1e-6)
+    # Rewards: none at first (the model is its reference), then the chosen replies' above the rejected.
+    assert first.chosen_reward == pytest.approx(0, abs=1e-6) and first.rejected_reward == pytest.approx(
+        0, abs=1e-6
+    )
+    assert evals[0].eval_chosen_reward == pytest.approx(0, abs=1e-6)
+    assert evals[-1].eval_chosen_reward is not None and evals[-1].eval_rejected_reward is not None
+    assert evals[-1].eval_chosen_reward - evals[-1].eval_rejected_reward > 0.5
+    last = recorder.of_kind("metrics")[-1]
+    assert last.chosen_reward is not None and last.rejected_reward is not None
+    assert last.chosen_reward > last.rejected_reward
     assert evals[-1].eval_loss < LN2 - 0.1 and evals[-1].eval_accuracy >= 0.8
     (result,) = recorder.of_kind("result")
     assert result.eval_loss == evals[-1].eval_loss
@@ -145,12 +181,14 @@ def test_a_dpo_run_learns_the_preferences_against_its_initial_weights(
     )
     _, held_out = train.load_data(config.spec, Tokenizer.load(tiny_tokenizer_path), 1)
     assert held_out is not None
-    total, count = 0.0, 0.0
+    total, count, chosen = 0.0, 0.0, 0.0
     for batch in held_out.eval_batches():
-        loss_sum, (pairs, _, _) = train.preference_sums(model, final, base, batch, 0.1)
+        loss_sum, (pairs, _, _, rewards) = train.preference_sums(model, final, base, batch, 0.1)
         total, count = total + float(loss_sum), count + float(pairs)
+        chosen += float(rewards["chosen_reward"])
     assert count == 30
     assert total / count == pytest.approx(evals[-1].eval_loss, rel=1e-5)
+    assert chosen / count == pytest.approx(evals[-1].eval_chosen_reward, rel=1e-4)
 
 
 def test_a_resumed_dpo_run_keeps_the_weights_it_started_from_as_its_reference(
@@ -173,3 +211,37 @@ def test_a_lora_dpo_run_measures_against_its_base(
     evals = recorder.of_kind("eval")
     assert evals[0].eval_loss == pytest.approx(LN2, abs=1e-6)
     assert evals[-1].eval_loss < LN2 - 0.05 and evals[-1].eval_accuracy >= 0.8
+
+
+def test_a_simpo_run_needs_no_reference(
+    tmp_path: Path, pairs_path: Path, tiny_tokenizer_path: Path, tiny: tuple[gemma.Model, Any]
+) -> None:
+    """With `simpo_gamma`, a full job's loss is SimPO's: its first eval is the base weights' mean
+    log-probabilities with the margin asked for (not ln 2), it learns, and it never loads a reference
+    model, not even when resumed."""
+    spec = {"method": {"objective": "dpo", "simpo_gamma": 0.5, "dpo_beta": 2.0}, "validation_split": 0.1}
+    stopped = {**DPO_HYPERPARAMETERS, "max_steps": 3}
+    config = tiny_config(tmp_path, pairs_path, tiny_tokenizer_path, spec=spec, **stopped)
+    first = Recorder()
+    assert train.run(config, first, TEST_OPTIONS) == EXIT_OK
+    config = tiny_config(tmp_path, pairs_path, tiny_tokenizer_path, spec=spec, **DPO_HYPERPARAMETERS)
+    resumed = Recorder()
+    assert train.run(config, resumed, TEST_OPTIONS) == EXIT_OK
+    statuses = [s.message for s in first.of_kind("status") + resumed.of_kind("status")]
+    assert "resumed from the checkpoint at step 3" in statuses
+    assert not [message for message in statuses if "reference" in message]
+
+    model, base = tiny  # (the run's initial weights)
+    _, held_out = train.load_data(config.spec, Tokenizer.load(tiny_tokenizer_path), 1)
+    assert held_out is not None
+    total, count = 0.0, 0.0
+    for batch in held_out.eval_batches():
+        loss_sum, (pairs, _, _, _) = train.preference_sums(model, base, {}, batch, 2.0, simpo_gamma=0.5)
+        total, count = total + float(loss_sum), count + float(pairs)
+    evals = first.of_kind("eval") + resumed.of_kind("eval")
+    assert [e.step for e in evals] == [0, 3, 6]
+    assert evals[0].eval_loss == pytest.approx(total / count, rel=1e-5)
+    assert abs(evals[0].eval_loss - LN2) > 0.05
+    assert evals[-1].eval_loss < evals[0].eval_loss - 0.1
+    assert evals[-1].eval_accuracy > evals[0].eval_accuracy
+    assert evals[-1].eval_chosen_reward > evals[-1].eval_rejected_reward
