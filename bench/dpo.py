@@ -7,12 +7,15 @@ the same preferred replies: what a step costs, and whether the model learns the 
 
 Pairs from generated stories (`worker.stories`): the prompt a story's first sentence, the chosen reply its
 next two sentences, the rejected reply the next two sentences of another story (prose as fluent, that does
-not follow). Both jobs run through the worker (`worker.train.run`) on the packaged Gemma 3 270M (the demo's
+not follow). The jobs run through the worker (`worker.train.run`) on the packaged Gemma 3 270M (the demo's
 weights), rows of 128 tokens, held-out pairs (a file of their own) evaluated at the start and the end: the
 dpo job on the pairs, the simpo job too (a dpo job with `simpo_gamma`: no reference model; beta 2,
-gamma 1, as SimPO's paper), the sft job on the same prompts with their chosen replies. Figures per job:
+gamma 1, as SimPO's paper), with `--objectives` an rpo job too (dpo with `rpo_alpha` 1), the sft job on
+the same prompts with their chosen replies. Figures per job:
 seconds a step (the median, past the first), and the share of held-out pairs whose chosen reply the model
-finds likelier than the rejected one (log-probabilities of the replies' tokens summed), before and after;
+finds likelier than the rejected one (log-probabilities of the replies' tokens summed), and the replies'
+mean log-probability a token (does the chosen reply grow likelier, or only less unlikely than the
+rejected?), before and after;
 the dpo and simpo jobs' eval loss, accuracy (pairs it prefers rightly, by its own rewards) and mean
 rewards of the chosen and rejected replies too. The LAST line is one JSON object.
 """
@@ -65,7 +68,11 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--learning-rate", type=float, default=None, help="default 5e-4 (LoRA), 2e-5 (full)")
     parser.add_argument("--held-out", type=int, default=24)
-    parser.add_argument("--objectives", default="sft,dpo,simpo", help="which jobs, of sft, dpo and simpo")
+    parser.add_argument(
+        "--objectives",
+        default="sft,dpo,simpo",
+        help="which jobs, of sft, dpo, simpo and rpo (dpo, rpo_alpha 1)",
+    )
     args = parser.parse_args()
 
     import jax
@@ -117,14 +124,19 @@ def main() -> int:
         def replies(params: Any, batch: dict[str, Any]) -> Any:
             return train.sequence_logprobs(gemma.forward(plain, params, {}, *train._inputs(batch)), batch)
 
-        def prefers_chosen(params: Any) -> float:
+        def preference(params: Any) -> tuple[float, float, float]:
+            """(the share of held-out pairs whose chosen reply the model finds likelier, the mean
+            log-probability a token of the chosen replies, of the rejected ones)."""
             right = total = 0
+            per_token: list[Any] = []
             for batch in rows:
                 sums, counts = (np.asarray(x) for x in replies(params, batch))
                 real = (counts[..., 0] > 0) & (counts[..., 1] > 0)
                 right += int(((sums[..., 0] > sums[..., 1]) & real).sum())
                 total += int(real.sum())
-            return right / total
+                per_token.append((sums / np.maximum(counts, 1))[real])
+            means = np.concatenate(per_token).mean(axis=0)
+            return right / total, float(means[0]), float(means[1])
 
         for objective in args.objectives.split(","):
             if objective != "sft":
@@ -142,6 +154,8 @@ def main() -> int:
             }
             if objective == "simpo":
                 method.update(simpo_gamma=1.0, dpo_beta=2.0)
+            elif objective == "rpo":
+                method.update(rpo_alpha=1.0)
             if args.method == "lora":
                 method["export_merged"] = True
             spec = {
@@ -177,14 +191,16 @@ def main() -> int:
             )
             final = ocp.StandardCheckpointer().restore(output / "final" / "params")
             if "base_prefers_chosen" not in figures:
-                figures["base_prefers_chosen"] = round(
-                    prefers_chosen(load_gguf_params(gguf, dtype="float32")["params"]), 3
-                )
+                base = preference(load_gguf_params(gguf, dtype="float32")["params"])
+                figures["base_prefers_chosen"] = round(base[0], 3)
+                figures["base_logprob_per_token"] = [round(base[1], 3), round(base[2], 3)]
+            prefers, chosen_lp, rejected_lp = preference(final)
             job: dict[str, Any] = {
                 "seconds": round(seconds, 1),
                 "step_s": round(step_s, 2) if step_s else None,
                 "tokens_per_s": round(reporter.metrics[-1][1].tokens_per_second or 0, 1),
-                "prefers_chosen": round(prefers_chosen(final), 3),
+                "prefers_chosen": round(prefers, 3),
+                "logprob_per_token": [round(chosen_lp, 3), round(rejected_lp, 3)],
                 "eval_loss": [round(e.eval_loss, 4) for e in reporter.evals],
                 "eval_accuracy": [round(e.eval_accuracy or 0, 3) for e in reporter.evals],
             }
@@ -203,12 +219,16 @@ def main() -> int:
                 f"{objective}: {args.steps} {args.method} steps, {job['step_s']} s a step, {seconds:.0f} s "
                 f"in all; eval loss {job['eval_loss'][0]} -> {job['eval_loss'][-1]}, accuracy "
                 f"{job['eval_accuracy'][0]} -> {job['eval_accuracy'][-1]}{rewards}; prefers the chosen reply "
-                f"in {job['prefers_chosen']:.0%} of {len(held_out)} held-out pairs"
+                f"in {job['prefers_chosen']:.0%} of {len(held_out)} held-out pairs; log p a token: chosen "
+                f"{chosen_lp:.3f}, rejected {rejected_lp:.3f}"
             )
     print(
-        f"base model: prefers the chosen reply in {figures['base_prefers_chosen']:.0%} of the held-out pairs"
+        f"base model: prefers the chosen reply in {figures['base_prefers_chosen']:.0%} of the held-out "
+        "pairs; "
+        f"log p a token: chosen {figures['base_logprob_per_token'][0]:.3f}, rejected "
+        f"{figures['base_logprob_per_token'][1]:.3f}"
     )
-    for objective in ("dpo", "simpo"):
+    for objective in ("dpo", "simpo", "rpo"):
         if figures.get("sft", {}).get("step_s") and figures.get(objective, {}).get("step_s"):
             cost = figures[f"{objective}_step_cost"] = round(
                 figures[objective]["step_s"] / figures["sft"]["step_s"], 2
