@@ -292,6 +292,13 @@ def reference_logits(model: gemma.Model, frozen: Params, batch: dict[str, jax.Ar
     return gemma.forward(model, frozen, {}, *_inputs(batch))
 
 
+# A dpo job's figure the worker watches but does not report (`preference_sums`).
+CHOSEN_LOGRATIO = "chosen_logratio"
+# How far below the reference, in nats a token, the held-out chosen replies may fall before the worker
+# warns (`bench/dpo.py`: 4.9 and 5.9 at learning rates that broke the model, 0.09 at one that did not).
+LIKELIHOOD_WARNING_NATS = 1.0
+
+
 def preference_sums(
     model: gemma.Model,
     trained: Params,
@@ -324,17 +331,17 @@ def preference_sums(
     margin = rewards[..., 0] - rewards[..., 1]
     pairs = ((counts[..., 0] > 0) & (counts[..., 1] > 0)).astype(jnp.float32)
     losses = jax.nn.softplus((simpo_gamma or 0.0) - margin) + rpo_alpha * -policy[..., 0] / lengths[..., 0]
+    more = {
+        "chosen_reward": jnp.sum(rewards[..., 0] * pairs),
+        "rejected_reward": jnp.sum(rewards[..., 1] * pairs),
+    }
+    if simpo_gamma is None:
+        # How much likelier the model makes the chosen replies than the reference, in nats a token: well
+        # below 0 is DPO unlearning them while it widens the margin (`Trainer._watch_likelihood`).
+        more[CHOSEN_LOGRATIO] = jnp.sum((policy - reference)[..., 0] / lengths[..., 0] * pairs)
     return (
         jnp.sum(losses * pairs),
-        (
-            jnp.sum(pairs),
-            jnp.sum((margin > 0) * pairs),
-            jnp.sum(counts.sum(axis=-1) * pairs),
-            {
-                "chosen_reward": jnp.sum(rewards[..., 0] * pairs),
-                "rejected_reward": jnp.sum(rewards[..., 1] * pairs),
-            },
-        ),
+        (jnp.sum(pairs), jnp.sum((margin > 0) * pairs), jnp.sum(counts.sum(axis=-1) * pairs), more),
     )
 
 
@@ -589,6 +596,7 @@ class _Run:
         # The eval of the lowest loss so far: export_best exports its weights (a checkpoint kept, or at step
         # 0 the initial ones). (Early stopping's best moves only by more than its threshold; this by any.)
         self.lowest_eval: Evaluated | None = None
+        self.warned_likelihood = False  # (`_watch_likelihood`)
         self.status_count = 0
         # Tells this attempt's status messages from an earlier one's: a restarted worker says "loading ..."
         # at step 0 again, which the API would otherwise drop as a retry of the first attempt's report.
@@ -935,10 +943,33 @@ class _Run:
                 eval_loss=evaluated.loss,
                 eval_accuracy=evaluated.accuracy,
                 eval_tokens=int(tokens),
-                **{f"eval_{name}": value / max(count, 1.0) for name, value in more.items()},
+                **{
+                    f"eval_{name}": value / max(count, 1.0)
+                    for name, value in more.items()
+                    if name.endswith("_reward")
+                },
             )
         )
+        if CHOSEN_LOGRATIO in more:
+            self._watch_likelihood(step, more[CHOSEN_LOGRATIO] / max(count, 1.0), evaluated.accuracy)
         return evaluated
+
+    def _watch_likelihood(self, step: int, chosen_logratio: float, accuracy: float) -> None:
+        """A dpo job's held-out chosen replies fallen well below the reference's likelihood (DPO can widen
+        the margin by making both replies less likely, until the model writes nonsense): warn, once a run."""
+        if self.warned_likelihood or chosen_logratio > -LIKELIHOOD_WARNING_NATS:
+            return
+        self.warned_likelihood = True
+        self.reporter.send(
+            WarningReport(
+                step=step,
+                key="likelihood",
+                message=f"At step {step} the held-out chosen replies are {-chosen_logratio:.2f} nats a token "
+                f"less likely than before training (pair accuracy {accuracy:.0%}: the margin widens as both "
+                "replies grow less likely), and the model's text may no longer be fluent. Lower "
+                "hyperparameters.learning_rate, or set method.rpo_alpha (1 keeps the chosen replies likely).",
+            )
+        )
 
     def _no_better(self, evaluated: Evaluated) -> str | None:
         """Early stopping: why the run stops now, if `early_stopping_patience` evals in a row have not

@@ -191,6 +191,21 @@ def test_a_dpo_run_learns_the_preferences_against_its_initial_weights(
     assert chosen / count == pytest.approx(evals[-1].eval_chosen_reward, rel=1e-4)
 
 
+def test_a_dpo_run_that_unlearns_the_chosen_replies_says_so(
+    tmp_path: Path, full_dpo: tuple[Path, Recorder], pairs_path: Path, tiny_tokenizer_path: Path
+) -> None:
+    """At a learning rate too high, DPO widens the margin by making the chosen replies far less likely too:
+    the worker warns at an eval where they are over a nat a token below the reference."""
+    recorder = dpo_run(tmp_path, pairs_path, tiny_tokenizer_path, learning_rate=1e-2)
+    (warning,) = recorder.of_kind("warning")
+    assert warning.step == 3 and "nats a token less likely than before training" in warning.message
+    assert "method.rpo_alpha" in warning.message
+    evals = recorder.of_kind("eval")
+    assert [e.step for e in evals] == [0, 3, 6] and evals[1].eval_chosen_reward < 0
+    # The run at a tenth of that learning rate keeps them: no warning.
+    assert not full_dpo[1].of_kind("warning")
+
+
 def test_a_resumed_dpo_run_keeps_the_weights_it_started_from_as_its_reference(
     tmp_path: Path, full_dpo: tuple[Path, Recorder], pairs_path: Path, tiny_tokenizer_path: Path
 ) -> None:
