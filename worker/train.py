@@ -337,7 +337,7 @@ def preference_sums(
     }
     if simpo_gamma is None:
         # How much likelier the model makes the chosen replies than the reference, in nats a token: well
-        # below 0 is DPO unlearning them while it widens the margin (`Trainer._watch_likelihood`).
+        # below 0 is DPO unlearning them while it widens the margin (`_Run._watch_likelihood`).
         more[CHOSEN_LOGRATIO] = jnp.sum((policy - reference)[..., 0] / lengths[..., 0] * pairs)
     return (
         jnp.sum(losses * pairs),
