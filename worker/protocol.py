@@ -76,6 +76,11 @@ class StatusReport(_Report):
     )
 
 
+def _finite_or_none(value: object) -> object:
+    """A float that is not finite (NaN, infinity) as missing."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 _CHOSEN_REWARD = (
     "A dpo job's: the mean over the pairs of the chosen reply's reward, beta times how much more likely the "
     "model makes it than the weights it started from (log-probability ratio; SimPO: beta times its mean "
@@ -102,11 +107,10 @@ class MetricsReport(_Report):
     )
     eta_seconds: Annotated[float, Field(ge=0)] | None = None
 
-    @field_validator("loss", "grad_norm", "chosen_reward", "rejected_reward", mode="before")
-    @classmethod
-    def _nan_to_none(cls, value: object) -> object:
-        # A NaN loss is reported as an error report; the metric itself is stored as missing.
-        return None if isinstance(value, float) and not math.isfinite(value) else value
+    # A NaN loss is reported as an error report; the metric itself is stored as missing.
+    _nan_to_none = field_validator("loss", "grad_norm", "chosen_reward", "rejected_reward", mode="before")(
+        _finite_or_none
+    )
 
 
 class EvalReport(_Report):
@@ -117,10 +121,9 @@ class EvalReport(_Report):
     eval_chosen_reward: float | None = Field(default=None, description=_CHOSEN_REWARD)
     eval_rejected_reward: float | None = Field(default=None, description=_REJECTED_REWARD)
 
-    @field_validator("eval_chosen_reward", "eval_rejected_reward", mode="before")
-    @classmethod
-    def _nan_to_none(cls, value: object) -> object:
-        return None if isinstance(value, float) and not math.isfinite(value) else value
+    _nan_to_none = field_validator("eval_chosen_reward", "eval_rejected_reward", mode="before")(
+        _finite_or_none
+    )
 
 
 class CheckpointReport(_Report):

@@ -322,23 +322,22 @@ def preference_sums(
     log-likelihood a token (RPO)."""
     policy, counts = sequence_logprobs(gemma.forward(model, trained, frozen, *_inputs(batch)), batch)
     lengths = jnp.maximum(counts, 1.0)
+    pairs = ((counts[..., 0] > 0) & (counts[..., 1] > 0)).astype(jnp.float32)
+    more = {}
     if simpo_gamma is None:
         reference, _ = sequence_logprobs(jax.lax.stop_gradient(reference_logits(model, frozen, batch)), batch)
-        ratios = (policy - reference) / lengths if per_token else policy - reference
+        logratios = policy - reference
+        ratios = logratios / lengths if per_token else logratios
+        # How much likelier the model makes the chosen replies than the reference, in nats a token: well
+        # below 0 is DPO unlearning them while it widens the margin (`_Run._watch_likelihood`).
+        more[CHOSEN_LOGRATIO] = jnp.sum(logratios[..., 0] / lengths[..., 0] * pairs)
     else:
         ratios = policy / lengths
     rewards = beta * ratios
     margin = rewards[..., 0] - rewards[..., 1]
-    pairs = ((counts[..., 0] > 0) & (counts[..., 1] > 0)).astype(jnp.float32)
     losses = jax.nn.softplus((simpo_gamma or 0.0) - margin) + rpo_alpha * -policy[..., 0] / lengths[..., 0]
-    more = {
-        "chosen_reward": jnp.sum(rewards[..., 0] * pairs),
-        "rejected_reward": jnp.sum(rewards[..., 1] * pairs),
-    }
-    if simpo_gamma is None:
-        # How much likelier the model makes the chosen replies than the reference, in nats a token: well
-        # below 0 is DPO unlearning them while it widens the margin (`_Run._watch_likelihood`).
-        more[CHOSEN_LOGRATIO] = jnp.sum((policy - reference)[..., 0] / lengths[..., 0] * pairs)
+    more["chosen_reward"] = jnp.sum(rewards[..., 0] * pairs)
+    more["rejected_reward"] = jnp.sum(rewards[..., 1] * pairs)
     return (
         jnp.sum(losses * pairs),
         (jnp.sum(pairs), jnp.sum((margin > 0) * pairs), jnp.sum(counts.sum(axis=-1) * pairs), more),
@@ -946,7 +945,7 @@ class _Run:
                 **{
                     f"eval_{name}": value / max(count, 1.0)
                     for name, value in more.items()
-                    if name.endswith("_reward")
+                    if name != CHOSEN_LOGRATIO
                 },
             )
         )

@@ -22,7 +22,7 @@ from tests.worker.test_train import saved_params
 from worker import model as gemma
 from worker import train
 from worker.config import EXIT_OK
-from worker.data import EvalData, Preference, encode_documents
+from worker.data import EncodedDocument, EvalData, Preference, encode_documents
 from worker.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("compile_cache")
@@ -60,6 +60,12 @@ def reply_logprob(model: gemma.Model, params: Any, tokens: np.ndarray, trained: 
     return float(np.sum(logprobs[np.arange(len(targets)), targets] * trained[1:]))
 
 
+def scored(document: EncodedDocument) -> tuple[np.ndarray, np.ndarray]:
+    """An encoded reply's (tokens, which of them are trained)."""
+    assert document.trained is not None
+    return document.tokens, document.trained
+
+
 def test_the_dpo_loss_is_each_pairs_own_against_the_reference(
     tiny: tuple[gemma.Model, Any], tiny_tokenizer: Tokenizer
 ) -> None:
@@ -80,11 +86,10 @@ def test_the_dpo_loss_is_each_pairs_own_against_the_reference(
     # Per pair and reply (chosen, rejected): log p under the policy and the reference, and tokens scored.
     logprobs, references, lengths = [], [], []
     for pair in pairs:
-        documents = encode_documents([pair], tiny_tokenizer)
-        assert all(document.trained is not None for document in documents)
-        logprobs.append([reply_logprob(model, policy, d.tokens, d.trained) for d in documents])  # type: ignore[arg-type]
-        references.append([reply_logprob(model, base, d.tokens, d.trained) for d in documents])  # type: ignore[arg-type]
-        lengths.append([int(d.trained[1:].sum()) for d in documents])  # type: ignore[index]
+        replies = [scored(document) for document in encode_documents([pair], tiny_tokenizer)]
+        logprobs.append([reply_logprob(model, policy, tokens, trained) for tokens, trained in replies])
+        references.append([reply_logprob(model, base, tokens, trained) for tokens, trained in replies])
+        lengths.append([int(trained[1:].sum()) for _, trained in replies])
     policy_lp, reference_lp, length = np.array(logprobs), np.array(references), np.array(lengths)
     ratios = beta * (policy_lp - reference_lp)
     margins = ratios[:, 0] - ratios[:, 1]
@@ -123,6 +128,23 @@ def test_the_dpo_loss_is_each_pairs_own_against_the_reference(
     np.testing.assert_allclose(
         [float(rewards["chosen_reward"]), float(rewards["rejected_reward"])], simpo.sum(axis=0), rtol=1e-4
     )
+
+
+def held_out_sums(
+    config: Any, tokenizer: Path, model: gemma.Model, params: Any, frozen: Any, beta: float, **variant: Any
+) -> tuple[float, float, float]:
+    """A job's validation pairs measured again as `preference_sums` measures them: (loss, chosen reward,
+    pairs), each summed over the pairs."""
+    _, held_out = train.load_data(config.spec, Tokenizer.load(tokenizer), 1)
+    assert held_out is not None
+    total = chosen = count = 0.0
+    for batch in held_out.eval_batches():
+        loss_sum, (pairs, _, _, rewards) = train.preference_sums(
+            model, params, frozen, batch, beta, **variant
+        )
+        total, chosen = total + float(loss_sum), chosen + float(rewards["chosen_reward"])
+        count += float(pairs)
+    return total, chosen, count
 
 
 def dpo_run(output: Path, pairs_path: Path, tokenizer: Path, method: str = "full", **hyper: Any) -> Recorder:
@@ -179,13 +201,7 @@ def test_a_dpo_run_learns_the_preferences_against_its_initial_weights(
         tiny_tokenizer_path,
         spec={"method": {"objective": "dpo"}, "validation_split": 0.1},
     )
-    _, held_out = train.load_data(config.spec, Tokenizer.load(tiny_tokenizer_path), 1)
-    assert held_out is not None
-    total, count, chosen = 0.0, 0.0, 0.0
-    for batch in held_out.eval_batches():
-        loss_sum, (pairs, _, _, rewards) = train.preference_sums(model, final, base, batch, 0.1)
-        total, count = total + float(loss_sum), count + float(pairs)
-        chosen += float(rewards["chosen_reward"])
+    total, chosen, count = held_out_sums(config, tiny_tokenizer_path, model, final, base, 0.1)
     assert count == 30
     assert total / count == pytest.approx(evals[-1].eval_loss, rel=1e-5)
     assert chosen / count == pytest.approx(evals[-1].eval_chosen_reward, rel=1e-4)
@@ -247,12 +263,7 @@ def test_a_simpo_run_needs_no_reference(
     assert not [message for message in statuses if "reference" in message]
 
     model, base = tiny  # (the run's initial weights)
-    _, held_out = train.load_data(config.spec, Tokenizer.load(tiny_tokenizer_path), 1)
-    assert held_out is not None
-    total, count = 0.0, 0.0
-    for batch in held_out.eval_batches():
-        loss_sum, (pairs, _, _, _) = train.preference_sums(model, base, {}, batch, 2.0, simpo_gamma=0.5)
-        total, count = total + float(loss_sum), count + float(pairs)
+    total, _, count = held_out_sums(config, tiny_tokenizer_path, model, base, {}, 2.0, simpo_gamma=0.5)
     evals = first.of_kind("eval") + resumed.of_kind("eval")
     assert [e.step for e in evals] == [0, 3, 6]
     assert evals[0].eval_loss == pytest.approx(total / count, rel=1e-5)
