@@ -292,8 +292,10 @@ def reference_logits(model: gemma.Model, frozen: Params, batch: dict[str, jax.Ar
     return gemma.forward(model, frozen, {}, *_inputs(batch))
 
 
-# A dpo job's figure the worker watches but does not report (`preference_sums`).
+# The figures of a dpo job the worker watches but does not report (`preference_sums`): DPO's chosen replies'
+# log-probability ratio to the reference, and SimPO's (no reference) their log-probability, both a token.
 CHOSEN_LOGRATIO = "chosen_logratio"
+CHOSEN_LOGP = "chosen_logp"
 # How far below the reference, in nats a token, the held-out chosen replies may fall before the worker
 # warns (`bench/dpo.py`: 4.9 and 5.9 at learning rates that broke the model, 0.09 at one that did not).
 LIKELIHOOD_WARNING_NATS = 1.0
@@ -333,6 +335,8 @@ def preference_sums(
         more[CHOSEN_LOGRATIO] = jnp.sum(logratios[..., 0] / lengths[..., 0] * pairs)
     else:
         ratios = policy / lengths
+        # The worker watches it fall from its first eval's (`_Run._watch_likelihood`), as DPO's log-ratio.
+        more[CHOSEN_LOGP] = jnp.sum(ratios[..., 0] * pairs)
     rewards = beta * ratios
     margin = rewards[..., 0] - rewards[..., 1]
     losses = jax.nn.softplus((simpo_gamma or 0.0) - margin) + rpo_alpha * -policy[..., 0] / lengths[..., 0]
@@ -596,6 +600,9 @@ class _Run:
         # 0 the initial ones). (Early stopping's best moves only by more than its threshold; this by any.)
         self.lowest_eval: Evaluated | None = None
         self.warned_likelihood = False  # (`_watch_likelihood`)
+        # A SimPO job's held-out chosen replies' log-probability a token at its first eval, before training:
+        # what it watches them against (it has no reference). Kept in its checkpoints.
+        self.chosen_logp_start: float | None = None
         self.status_count = 0
         # Tells this attempt's status messages from an earlier one's: a restarted worker says "loading ..."
         # at step 0 again, which the API would otherwise drop as a retry of the first attempt's report.
@@ -716,6 +723,7 @@ class _Run:
         state, position = self.checkpoints.restore(latest, self.placed_state)
         self.trained_tokens, self.last_loss = int(position.get("trained_tokens", 0)), position.get("loss")
         self.last_accuracy = position.get("accuracy")  # (None from a checkpoint saved before it was kept)
+        self.chosen_logp_start = position.get("chosen_logp_start")
         if position.get("best_eval_step") is not None:
             self.best_eval = (int(position["best_eval_step"]), float(position["best_eval_loss"]))
             self.stale_evals = int(position.get("stale_evals", 0))
@@ -928,6 +936,9 @@ class _Run:
             batch_sums = jax.device_get(self.eval_fn(state["params"], frozen, global_batch(local, rows)))
             sums = batch_sums if sums is None else jax.tree.map(np.add, sums, batch_sums)
         total, count, correct, tokens, more = jax.tree.map(float, sums)
+        watched = {
+            name: more.pop(name) / max(count, 1.0) for name in (CHOSEN_LOGRATIO, CHOSEN_LOGP) if name in more
+        }
         evaluated = Evaluated(step, total / max(count, 1.0), correct / max(count, 1.0))
         if not math.isfinite(evaluated.loss):
             raise LossNotFinite(step, evaluated.loss, "eval loss")
@@ -942,20 +953,22 @@ class _Run:
                 eval_loss=evaluated.loss,
                 eval_accuracy=evaluated.accuracy,
                 eval_tokens=int(tokens),
-                **{
-                    f"eval_{name}": value / max(count, 1.0)
-                    for name, value in more.items()
-                    if name != CHOSEN_LOGRATIO
-                },
+                **{f"eval_{name}": value / max(count, 1.0) for name, value in more.items()},
             )
         )
-        if CHOSEN_LOGRATIO in more:
-            self._watch_likelihood(step, more[CHOSEN_LOGRATIO] / max(count, 1.0), evaluated.accuracy)
+        if CHOSEN_LOGP in watched and step == 0:
+            self.chosen_logp_start = watched[CHOSEN_LOGP]
+        if CHOSEN_LOGRATIO in watched:
+            self._watch_likelihood(step, watched[CHOSEN_LOGRATIO], evaluated.accuracy)
+        elif CHOSEN_LOGP in watched and self.chosen_logp_start is not None:
+            self._watch_likelihood(step, watched[CHOSEN_LOGP] - self.chosen_logp_start, evaluated.accuracy)
         return evaluated
 
     def _watch_likelihood(self, step: int, chosen_logratio: float, accuracy: float) -> None:
-        """A dpo job's held-out chosen replies fallen well below the reference's likelihood (DPO can widen
-        the margin by making both replies less likely, until the model writes nonsense): warn, once a run."""
+        """A dpo job's held-out chosen replies fallen well below the likelihood they had before training
+        (`chosen_logratio`, nats a token: DPO's against its reference, SimPO's against its first eval): DPO
+        and SimPO can widen the margin by making both replies less likely, until the model writes nonsense.
+        Warn, once a run."""
         if self.warned_likelihood or chosen_logratio > -LIKELIHOOD_WARNING_NATS:
             return
         self.warned_likelihood = True
@@ -1024,6 +1037,7 @@ class _Run:
             "lowest_eval_step": lowest.step if lowest else None,
             "lowest_eval_loss": lowest.loss if lowest else None,
             "lowest_eval_accuracy": lowest.accuracy if lowest else None,
+            "chosen_logp_start": self.chosen_logp_start,
         }
         self.checkpoints.save(step, state, position)
         evaluated = self.last_eval if self.last_eval is not None and self.last_eval.step == step else None

@@ -271,3 +271,28 @@ def test_a_simpo_run_needs_no_reference(
     assert evals[-1].eval_loss < evals[0].eval_loss - 0.1
     assert evals[-1].eval_accuracy > evals[0].eval_accuracy
     assert evals[-1].eval_chosen_reward > evals[-1].eval_rejected_reward
+
+
+def test_a_simpo_run_that_unlearns_the_chosen_replies_says_so_after_a_resume(
+    tmp_path: Path, pairs_path: Path, tiny_tokenizer_path: Path
+) -> None:
+    """SimPO has no reference: the worker measures the held-out chosen replies against its first eval, and
+    keeps that figure in its checkpoints. At a learning rate that collapses them, stopped at step 3 (not yet
+    a nat below) and resumed, the resumed run, which evaluates no step 0, warns at step 6."""
+    spec = {"method": {"objective": "dpo", "simpo_gamma": 0.5, "dpo_beta": 2.0}, "validation_split": 0.1}
+    harsh = {**DPO_HYPERPARAMETERS, "learning_rate": 3e-2}
+    config = tiny_config(tmp_path, pairs_path, tiny_tokenizer_path, spec=spec, **{**harsh, "max_steps": 3})
+    first = Recorder()
+    assert train.run(config, first, TEST_OPTIONS) == EXIT_OK
+    assert [e.step for e in first.of_kind("eval")] == [0, 3] and not first.of_kind("warning")
+    config = tiny_config(tmp_path, pairs_path, tiny_tokenizer_path, spec=spec, **harsh)
+    resumed = Recorder()
+    assert train.run(config, resumed, TEST_OPTIONS) == EXIT_OK
+    assert "resumed from the checkpoint at step 3" in [s.message for s in resumed.of_kind("status")]
+    (warning,) = resumed.of_kind("warning")
+    assert warning.step == 6 and "nats a token less likely than before training" in warning.message
+    # The fall it names is from the first run's step 0: SimPO's chosen reward over beta, then and now.
+    start, end = first.of_kind("eval")[0], resumed.of_kind("eval")[-1]
+    assert start.eval_chosen_reward is not None and end.eval_chosen_reward is not None
+    fall = (start.eval_chosen_reward - end.eval_chosen_reward) / 2.0
+    assert fall > 1.0 and f"are {fall:.2f} nats a token" in warning.message
