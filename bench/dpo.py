@@ -67,6 +67,11 @@ def main() -> int:
     parser.add_argument("--method", choices=["lora", "full"], default="lora")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--learning-rate", type=float, default=None, help="default 5e-4 (LoRA), 2e-5 (full)")
+    parser.add_argument(
+        "--job-default-lr",
+        action="store_true",
+        help="give the jobs no learning rate: each takes the service's default for its method and objective",
+    )
     parser.add_argument("--held-out", type=int, default=24)
     parser.add_argument(
         "--objectives",
@@ -105,7 +110,9 @@ def main() -> int:
     tokenizer = Tokenizer.load(gguf_tokenizer_model(gguf))
     records = pairs(args.steps * args.batch_size + args.held_out + 8, 11)
     train_pairs, held_out = records[args.held_out :], records[: args.held_out]
-    learning_rate = args.learning_rate or (5e-4 if args.method == "lora" else 2e-5)
+    learning_rate = (
+        None if args.job_default_lr else args.learning_rate or (5e-4 if args.method == "lora" else 2e-5)
+    )
     figures: dict[str, Any] = {"method": args.method, "steps": args.steps, "learning_rate": learning_rate}
     with tempfile.TemporaryDirectory() as temp:
         work = Path(temp)
@@ -169,7 +176,7 @@ def main() -> int:
                 "hyperparameters": {
                     "max_steps": args.steps,
                     "batch_size": args.batch_size,
-                    "learning_rate": learning_rate,
+                    **({} if learning_rate is None else {"learning_rate": learning_rate}),
                     "lr_scheduler": "constant",
                     "max_seq_len": 128,
                     "eval_every_steps": args.steps,
@@ -196,6 +203,7 @@ def main() -> int:
                 figures["base_logprob_per_token"] = [round(base[1], 3), round(base[2], 3)]
             prefers, chosen_lp, rejected_lp = preference(final)
             job: dict[str, Any] = {
+                "learning_rate": config.spec.hyperparameters.learning_rate,
                 "seconds": round(seconds, 1),
                 "step_s": round(step_s, 2) if step_s else None,
                 "tokens_per_s": round(reporter.metrics[-1][1].tokens_per_second or 0, 1),
@@ -216,8 +224,9 @@ def main() -> int:
                 )
             figures[objective] = job
             print(
-                f"{objective}: {args.steps} {args.method} steps, {job['step_s']} s a step, {seconds:.0f} s "
-                f"in all; eval loss {job['eval_loss'][0]} -> {job['eval_loss'][-1]}, accuracy "
+                f"{objective}: {args.steps} {args.method} steps at lr {job['learning_rate']:g}, "
+                f"{job['step_s']} s a step, {seconds:.0f} s in all; eval loss {job['eval_loss'][0]} -> "
+                f"{job['eval_loss'][-1]}, accuracy "
                 f"{job['eval_accuracy'][0]} -> {job['eval_accuracy'][-1]}{rewards}; prefers the chosen reply "
                 f"in {job['prefers_chosen']:.0%} of {len(held_out)} held-out pairs; log p a token: chosen "
                 f"{chosen_lp:.3f}, rejected {rejected_lp:.3f}"

@@ -52,6 +52,26 @@ def test_create_and_get(client: TestClient, dataset: Path) -> None:
     assert fetched == {**job, "queue_position": 1}
 
 
+def test_a_dpo_job_without_a_learning_rate_gets_a_lower_one(client: TestClient, dataset: Path) -> None:
+    """At SFT's learning rate DPO and SimPO make every reply far less likely (bench/dpo.py): a dpo job that
+    gives none gets a lower one, by method type, written into its spec; one it gives is kept."""
+
+    def learning_rate(method: dict, **hyperparameters: float) -> float:
+        response = client.post(
+            "/jobs", json=job_body(dataset, method=method, hyperparameters=hyperparameters)
+        )
+        assert response.status_code == 201, response.text
+        return response.json()["spec"]["hyperparameters"]["learning_rate"]
+
+    assert learning_rate({"type": "lora"}) == learning_rate({"type": "full"}) == 1e-4
+    assert learning_rate({"type": "lora", "objective": "dpo"}) == 2e-5
+    assert learning_rate({"type": "full", "objective": "dpo"}) == 1e-6
+    assert learning_rate({"type": "lora", "objective": "dpo", "simpo_gamma": 1}) == 2e-5
+    assert learning_rate({"type": "full", "objective": "dpo"}, learning_rate=1e-4) == 1e-4
+    docs = client.get("/openapi.json").json()["components"]["schemas"]["Hyperparameters"]
+    assert "2e-5 for LoRA, 1e-6 for a full fine-tune" in docs["properties"]["learning_rate"]["description"]
+
+
 def test_a_stopped_app_leaves_no_connection_open(make_settings, dataset: Path) -> None:  # type: ignore[no-untyped-def]
     """At shutdown the app closes its database connections itself: left to the garbage collector, a
     PostgreSQL one was finalized after its server had stopped (a traceback at exit), and a server a
