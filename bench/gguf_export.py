@@ -48,13 +48,57 @@ def side(request_path: str) -> None:
     Path(request["result"]).write_text(json.dumps({"loss": float(np.concatenate(losses).mean())}))
 
 
+def llama_side(request_path: str) -> None:
+    """In a process of the `--llama-cpp` Python (llama-cpp-python): llama.cpp's own run of the GGUF file,
+    as llama-cli and ollama run it: the mean loss on the token rows (each evaluated whole, every position's
+    logits kept), how many stories its tokenizer splits as the worker's does, and a greedy continuation."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    request = json.loads(Path(request_path).read_text())
+    rows = np.load(request["tokens"], allow_pickle=True)
+    longest = max(len(row) for row in rows)
+    llm = Llama(request["gguf"], n_ctx=longest + 8, n_batch=longest + 8, logits_all=True, verbose=False)
+    losses = []
+    for row in rows:
+        llm.reset()
+        llm.eval(row.tolist())
+        logits = np.asarray(llm.scores[: len(row) - 1], dtype=np.float64)
+        peak = logits.max(axis=-1, keepdims=True)
+        logp = logits - peak - np.log(np.exp(logits - peak).sum(axis=-1, keepdims=True))
+        losses.append(-logp[np.arange(len(row) - 1), row[1:]])
+    same = sum(
+        llm.tokenize(text.encode(), add_bos=True) == row.tolist()
+        for text, row in zip(request["texts"], rows, strict=True)
+    )
+    llm.reset()
+    completion = llm(request["prompt"], max_tokens=24, temperature=0.0)["choices"][0]["text"]
+    result = {
+        "loss": float(np.concatenate(losses).mean()),
+        "same_tokens": int(same),
+        "completion": completion,
+    }
+    Path(request["result"]).write_text(json.dumps(result))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", nargs="+", choices=TYPES, default=list(TYPES))
+    parser.add_argument(
+        "--llama-cpp",
+        metavar="PYTHON",
+        help="also run each file in llama.cpp: a Python with llama-cpp-python installed (not a project "
+        "dependency: it compiles llama.cpp; `python3.12 -m venv /tmp/llama && /tmp/llama/bin/pip install "
+        "llama-cpp-python numpy`)",
+    )
     parser.add_argument("--side", help=argparse.SUPPRESS)
+    parser.add_argument("--llama-side", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
         side(args.side)
+        return 0
+    if args.llama_side:
+        llama_side(args.llama_side)
         return 0
 
     import jax
@@ -62,6 +106,7 @@ def main() -> int:
     import numpy as np
     from gemma import gm
 
+    from worker.config import DEFAULT_SAMPLE_PROMPT
     from worker.gguf_export import export_gguf
     from worker.gguf_import import gguf_default_path, gguf_tokenizer_model, load_gguf_params
     from worker.stories import generate_stories
@@ -71,10 +116,8 @@ def main() -> int:
     tokenizer = Tokenizer.load(gguf_tokenizer_model(source))
     params = jax.tree.map(lambda leaf: leaf.astype(jnp.bfloat16), load_gguf_params(source)["params"])
     model = gm.nn.Gemma3_270M()
-    rows = [
-        np.asarray([tokenizer.bos_id, *tokenizer.encode(story)], np.int32)
-        for story in generate_stories(16, 7)
-    ]
+    stories = generate_stories(16, 7)
+    rows = [np.asarray([tokenizer.bos_id, *tokenizer.encode(story)], np.int32) for story in stories]
 
     @jax.jit
     def token_losses(params: Any, row: Any) -> Any:
@@ -101,7 +144,7 @@ def main() -> int:
                 outtype=outtype,
             )
             seconds = time.perf_counter() - start
-            request = {
+            request: dict[str, Any] = {
                 "gguf": str(path),
                 "tokens": str(work / "tokens.npy"),
                 "result": str(work / "result.json"),
@@ -119,7 +162,6 @@ def main() -> int:
             loaded = time.perf_counter() - start
             loss = json.loads((work / "result.json").read_text())["loss"]
             size = path.stat().st_size
-            path.unlink()
             figures["types"][outtype] = {
                 "export_s": round(seconds, 2),
                 "mb": round(size / 1e6, 1),
@@ -131,6 +173,34 @@ def main() -> int:
                 f"{outtype:>5}: {size / 1e6:6.0f} MB written in {seconds:4.1f} s; transformers from the "
                 f"file: {loss:.4f} nats/token ({loss - reference:+.4f}; loaded and run in {loaded:.0f} s)"
             )
+            if args.llama_cpp:
+                request |= {"texts": stories, "prompt": DEFAULT_SAMPLE_PROMPT}
+                (work / "request.json").write_text(json.dumps(request))
+                start = time.perf_counter()
+                done = subprocess.run(
+                    [args.llama_cpp, __file__, "--llama-side", str(work / "request.json")],
+                    capture_output=True,
+                    text=True,
+                )
+                if done.returncode != 0:
+                    print(done.stderr[-3000:], file=sys.stderr)
+                    return 1
+                ran = time.perf_counter() - start
+                llama = json.loads((work / "result.json").read_text())
+                figures["types"][outtype] |= {
+                    "llama_cpp_loss": round(llama["loss"], 4),
+                    "llama_cpp_loss_change": round(llama["loss"] - reference, 4),
+                    "llama_cpp_same_tokens": llama["same_tokens"],
+                    "llama_cpp_s": round(ran, 1),
+                    "llama_cpp_completion": llama["completion"],
+                }
+                print(
+                    f"{outtype:>5}: llama.cpp from the file: {llama['loss']:.4f} nats/token "
+                    f"({llama['loss'] - reference:+.4f}; loaded and run in {ran:.0f} s); its tokenizer "
+                    f"splits {llama['same_tokens']} of {len(stories)} stories as the worker's; greedy after "
+                    f"{DEFAULT_SAMPLE_PROMPT!r}: {llama['completion']!r}"
+                )
+            path.unlink()
     print(json.dumps(figures))
     return 0
 
