@@ -81,6 +81,23 @@ def llama_side(request_path: str) -> None:
     Path(request["result"]).write_text(json.dumps(result))
 
 
+def run_side(
+    python: str, flag: str, request: dict[str, Any], work: Path
+) -> tuple[dict[str, Any], float] | None:
+    """This script run by `python` with `flag` on `request` (its result written to work/result.json): that
+    result and the seconds it took, or None (its stderr printed) if it failed."""
+    request = {**request, "result": str(work / "result.json")}
+    (work / "request.json").write_text(json.dumps(request))
+    start = time.perf_counter()
+    done = subprocess.run(
+        [python, __file__, flag, str(work / "request.json")], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        print(done.stderr[-3000:], file=sys.stderr)
+        return None
+    return json.loads((work / "result.json").read_text()), time.perf_counter() - start
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", nargs="+", choices=TYPES, default=list(TYPES))
@@ -144,23 +161,11 @@ def main() -> int:
                 outtype=outtype,
             )
             seconds = time.perf_counter() - start
-            request: dict[str, Any] = {
-                "gguf": str(path),
-                "tokens": str(work / "tokens.npy"),
-                "result": str(work / "result.json"),
-            }
-            (work / "request.json").write_text(json.dumps(request))
-            start = time.perf_counter()
-            done = subprocess.run(
-                [sys.executable, __file__, "--side", str(work / "request.json")],
-                capture_output=True,
-                text=True,
-            )
-            if done.returncode != 0:
-                print(done.stderr[-3000:], file=sys.stderr)
+            request: dict[str, Any] = {"gguf": str(path), "tokens": str(work / "tokens.npy")}
+            answer = run_side(sys.executable, "--side", request, work)
+            if answer is None:
                 return 1
-            loaded = time.perf_counter() - start
-            loss = json.loads((work / "result.json").read_text())["loss"]
+            loss, loaded = answer[0]["loss"], answer[1]
             size = path.stat().st_size
             figures["types"][outtype] = {
                 "export_s": round(seconds, 2),
@@ -175,18 +180,10 @@ def main() -> int:
             )
             if args.llama_cpp:
                 request |= {"texts": stories, "prompt": DEFAULT_SAMPLE_PROMPT}
-                (work / "request.json").write_text(json.dumps(request))
-                start = time.perf_counter()
-                done = subprocess.run(
-                    [args.llama_cpp, __file__, "--llama-side", str(work / "request.json")],
-                    capture_output=True,
-                    text=True,
-                )
-                if done.returncode != 0:
-                    print(done.stderr[-3000:], file=sys.stderr)
+                answer = run_side(args.llama_cpp, "--llama-side", request, work)
+                if answer is None:
                     return 1
-                ran = time.perf_counter() - start
-                llama = json.loads((work / "result.json").read_text())
+                llama, ran = answer
                 figures["types"][outtype] |= {
                     "llama_cpp_loss": round(llama["loss"], 4),
                     "llama_cpp_loss_change": round(llama["loss"] - reference, 4),

@@ -296,8 +296,9 @@ def reference_logits(model: gemma.Model, frozen: Params, batch: dict[str, jax.Ar
 # log-probability ratio to the reference, and SimPO's (no reference) their log-probability, both a token.
 CHOSEN_LOGRATIO = "chosen_logratio"
 CHOSEN_LOGP = "chosen_logp"
-# How far below the reference, in nats a token, the held-out chosen replies may fall before the worker
-# warns (`bench/dpo.py`: 4.9 and 5.9 at learning rates that broke the model, 0.09 at one that did not).
+# How far below their likelihood before training (DPO: the reference's; SimPO: its first eval's), in nats a
+# token, the held-out chosen replies may fall before the worker warns (`bench/dpo.py`: 4.9 and 5.9 at
+# learning rates that broke the model, 0.09 at one that did not).
 LIKELIHOOD_WARNING_NATS = 1.0
 
 
