@@ -58,17 +58,12 @@ def gguf_file_name(outtype: str) -> str:
 
 
 DEFAULT_DPO_BETA = 0.1
-DEFAULT_LEARNING_RATE = 1e-4
 # A dpo job's learning rate where its spec gives none, by method type. At SFT's, DPO and SimPO widen the
 # margin by making every reply far less likely, until the model no longer writes fluent text: on Gemma 3
 # 270M (`bench/dpo.py`), a full job's held-out chosen replies fell 11.9 nats a token in 20 steps at 1e-4,
 # 2.0 at 5e-6, none at 1e-6 (88% of pairs preferred rightly, from 75%); a LoRA job's 2.3 in 60 steps at
 # 5e-5, 0.2 at 2e-5 (92%). (TRL's DPO default is 1e-6.)
-DPO_DEFAULT_LEARNING_RATES = {"lora": 2e-5, "full": 1e-6}
-
-
-def _short(number: float) -> str:
-    return f"{number:g}".replace("e-0", "e-")  # (2e-5, not 2e-05)
+DPO_DEFAULT_LEARNING_RATES = {"lora": 2e-5, "full": 1e-6}  # (Hyperparameters.learning_rate says so)
 
 
 class Method(_Strict):
@@ -168,10 +163,9 @@ class Hyperparameters(_Strict):
     )
     gradient_accumulation_steps: Annotated[int, Field(ge=1, le=1024)] = 1
     learning_rate: Annotated[float, Field(gt=0, le=1)] = Field(
-        default=DEFAULT_LEARNING_RATE,
+        default=1e-4,
         description="The peak learning rate (after any warmup). Default 1e-4; a dpo job's (DPO and SimPO) "
-        f"{_short(DPO_DEFAULT_LEARNING_RATES['lora'])} for LoRA, "
-        f"{_short(DPO_DEFAULT_LEARNING_RATES['full'])} for a full fine-tune.",
+        "2e-5 for LoRA, 1e-6 for a full fine-tune.",
     )
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field(
         default="cosine",

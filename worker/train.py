@@ -292,13 +292,12 @@ def reference_logits(model: gemma.Model, frozen: Params, batch: dict[str, jax.Ar
     return gemma.forward(model, frozen, {}, *_inputs(batch))
 
 
-# The figures of a dpo job the worker watches but does not report (`preference_sums`): DPO's chosen replies'
-# log-probability ratio to the reference, and SimPO's (no reference) their log-probability, both a token.
-CHOSEN_LOGRATIO = "chosen_logratio"
+# A dpo job's figure the worker watches but does not report (`preference_sums`): the chosen replies' mean
+# log-probability a token.
 CHOSEN_LOGP = "chosen_logp"
-# How far below their likelihood before training (DPO: the reference's; SimPO: its first eval's), in nats a
-# token, the held-out chosen replies may fall before the worker warns (`bench/dpo.py`: 4.9 and 5.9 at
-# learning rates that broke the model, 0.09 at one that did not).
+# How far below their likelihood before training, in nats a token, the held-out chosen replies may fall
+# before the worker warns (`bench/dpo.py`: 4.9 and 5.9 at learning rates that broke the model, 0.09 at one
+# that did not).
 LIKELIHOOD_WARNING_NATS = 1.0
 
 
@@ -315,7 +314,8 @@ def preference_sums(
 ) -> Sums:
     """DPO over a batch of preference pairs: (sum of the pairs' losses -log sigmoid(margin), (number of
     pairs, how many the model prefers rightly: margin > 0, replies' tokens scored, {"chosen_reward",
-    "rejected_reward": sums of the pairs' rewards})).
+    "rejected_reward": sums of the pairs' rewards, CHOSEN_LOGP: of their chosen replies' mean
+    log-probability a token})).
 
     A reply's reward is beta times how much more likely the model makes it than the reference does (its
     log-probability ratio, the reply's tokens summed; with `per_token`, their mean), and the margin is the
@@ -326,23 +326,22 @@ def preference_sums(
     policy, counts = sequence_logprobs(gemma.forward(model, trained, frozen, *_inputs(batch)), batch)
     lengths = jnp.maximum(counts, 1.0)
     pairs = ((counts[..., 0] > 0) & (counts[..., 1] > 0)).astype(jnp.float32)
-    more = {}
     if simpo_gamma is None:
         reference, _ = sequence_logprobs(jax.lax.stop_gradient(reference_logits(model, frozen, batch)), batch)
-        logratios = policy - reference
-        ratios = logratios / lengths if per_token else logratios
-        # How much likelier the model makes the chosen replies than the reference, in nats a token: well
-        # below 0 is DPO unlearning them while it widens the margin (`_Run._watch_likelihood`).
-        more[CHOSEN_LOGRATIO] = jnp.sum(logratios[..., 0] / lengths[..., 0] * pairs)
+        ratios = (policy - reference) / lengths if per_token else policy - reference
     else:
         ratios = policy / lengths
-        # The worker watches it fall from its first eval's (`_Run._watch_likelihood`), as DPO's log-ratio.
-        more[CHOSEN_LOGP] = jnp.sum(ratios[..., 0] * pairs)
     rewards = beta * ratios
     margin = rewards[..., 0] - rewards[..., 1]
-    losses = jax.nn.softplus((simpo_gamma or 0.0) - margin) + rpo_alpha * -policy[..., 0] / lengths[..., 0]
-    more["chosen_reward"] = jnp.sum(rewards[..., 0] * pairs)
-    more["rejected_reward"] = jnp.sum(rewards[..., 1] * pairs)
+    chosen_logp = policy[..., 0] / lengths[..., 0]
+    losses = jax.nn.softplus((simpo_gamma or 0.0) - margin) - rpo_alpha * chosen_logp
+    more = {
+        # Well below its first eval's is DPO unlearning the chosen replies while it widens the margin
+        # (`_Run._watch_likelihood`).
+        CHOSEN_LOGP: jnp.sum(chosen_logp * pairs),
+        "chosen_reward": jnp.sum(rewards[..., 0] * pairs),
+        "rejected_reward": jnp.sum(rewards[..., 1] * pairs),
+    }
     return (
         jnp.sum(losses * pairs),
         (jnp.sum(pairs), jnp.sum((margin > 0) * pairs), jnp.sum(counts.sum(axis=-1) * pairs), more),
@@ -601,8 +600,8 @@ class _Run:
         # 0 the initial ones). (Early stopping's best moves only by more than its threshold; this by any.)
         self.lowest_eval: Evaluated | None = None
         self.warned_likelihood = False  # (`_watch_likelihood`)
-        # A SimPO job's held-out chosen replies' log-probability a token at its first eval, before training:
-        # what it watches them against (it has no reference). Kept in its checkpoints.
+        # A dpo job's held-out chosen replies' log-probability a token at its first eval, before training
+        # (DPO's reference's; SimPO has none): what it watches them against. Kept in its checkpoints.
         self.chosen_logp_start: float | None = None
         self.status_count = 0
         # Tells this attempt's status messages from an earlier one's: a restarted worker says "loading ..."
@@ -937,9 +936,7 @@ class _Run:
             batch_sums = jax.device_get(self.eval_fn(state["params"], frozen, global_batch(local, rows)))
             sums = batch_sums if sums is None else jax.tree.map(np.add, sums, batch_sums)
         total, count, correct, tokens, more = jax.tree.map(float, sums)
-        watched = {
-            name: more.pop(name) / max(count, 1.0) for name in (CHOSEN_LOGRATIO, CHOSEN_LOGP) if name in more
-        }
+        chosen_logp = more.pop(CHOSEN_LOGP, None)
         evaluated = Evaluated(step, total / max(count, 1.0), correct / max(count, 1.0))
         if not math.isfinite(evaluated.loss):
             raise LossNotFinite(step, evaluated.loss, "eval loss")
@@ -957,19 +954,18 @@ class _Run:
                 **{f"eval_{name}": value / max(count, 1.0) for name, value in more.items()},
             )
         )
-        if CHOSEN_LOGP in watched and step == 0:
-            self.chosen_logp_start = watched[CHOSEN_LOGP]
-        if CHOSEN_LOGRATIO in watched:
-            self._watch_likelihood(step, watched[CHOSEN_LOGRATIO], evaluated.accuracy)
-        elif CHOSEN_LOGP in watched and self.chosen_logp_start is not None:
-            self._watch_likelihood(step, watched[CHOSEN_LOGP] - self.chosen_logp_start, evaluated.accuracy)
+        if chosen_logp is not None:
+            chosen_logp /= max(count, 1.0)
+            if step == 0:
+                self.chosen_logp_start = chosen_logp
+            if self.chosen_logp_start is not None:
+                self._watch_likelihood(step, chosen_logp - self.chosen_logp_start, evaluated.accuracy)
         return evaluated
 
     def _watch_likelihood(self, step: int, chosen_logratio: float, accuracy: float) -> None:
         """A dpo job's held-out chosen replies fallen well below the likelihood they had before training
-        (`chosen_logratio`, nats a token: DPO's against its reference, SimPO's against its first eval): DPO
-        and SimPO can widen the margin by making both replies less likely, until the model writes nonsense.
-        Warn, once a run."""
+        (`chosen_logratio`, nats a token, against its first eval): DPO and SimPO can widen the margin by
+        making both replies less likely, until the model writes nonsense. Warn, once a run."""
         if self.warned_likelihood or chosen_logratio > -LIKELIHOOD_WARNING_NATS:
             return
         self.warned_likelihood = True
