@@ -133,6 +133,35 @@ def _accuracies(metrics: dict[str, Any]) -> str:
     return "".join(f" {name} {_percent(value)}" for name, value in named if value is not None)
 
 
+def _rewards(metrics: dict[str, Any]) -> list[tuple[str, float, float]]:
+    """A dpo job's rewards there are, (prefix, chosen, rejected): training ("") and held out ("eval_")."""
+    pairs = (
+        (prefix, metrics.get(f"{prefix}chosen_reward"), metrics.get(f"{prefix}rejected_reward"))
+        for prefix in ("", "eval_")
+    )
+    return [
+        (prefix, chosen, rejected)
+        for prefix, chosen, rejected in pairs
+        if chosen is not None and rejected is not None
+    ]
+
+
+def _margins(metrics: dict[str, Any]) -> str:
+    """A dpo job's reward margins (the chosen replies' reward less the rejected's), as " margin +0.4300
+    eval-margin +0.3500"; "" for other jobs."""
+    return "".join(f" {prefix.replace('_', '-')}margin {c - r:+.4f}" for prefix, c, r in _rewards(metrics))
+
+
+def rewards_line(job: dict[str, Any]) -> str | None:
+    """A dpo job's latest rewards, once its worker reported them: "rewards: chosen +0.1200 rejected -0.3100
+    (margin +0.4300); held out: chosen ... (margin ...)"."""
+    said = [
+        f"{'held out' if prefix else 'rewards'}: chosen {c:+.4f} rejected {r:+.4f} (margin {c - r:+.4f})"
+        for prefix, c, r in _rewards(job["metrics"])
+    ]
+    return "; ".join(said) or None
+
+
 def progress_line(job: dict[str, Any], width: int = 24) -> str:
     """One line: bar, step, loss, eval loss, token accuracies, tokens/s, eta, status."""
     progress, metrics = job["progress"], job["metrics"]
@@ -183,6 +212,8 @@ def _print_job(job: dict[str, Any]) -> None:
     if job.get("status_message"):
         print(f"  {job['status_message']}")
     print(f"  {progress_line(job)}")
+    if line := rewards_line(job):
+        print(f"  {line}")
     if job.get("error"):
         print(f"  error: {job['error']['message']} ({job['error']['code']})")
     if job["status"] == "failed":
@@ -516,9 +547,10 @@ def checkpoints(args: argparse.Namespace) -> int:
         print("no checkpoints yet")
     for ckpt in data:
         metrics = ckpt["metrics"]
+        removed = "  (removed)" if ckpt.get("kept") is False else ""
         print(
             f"step {ckpt['step']:>7}  loss {_num(metrics['loss'])}  eval {_num(metrics['eval_loss'])}"
-            f"{_accuracies(metrics)}  {ckpt['uri']}{'  (removed)' if ckpt.get('kept') is False else ''}"
+            f"{_accuracies(metrics)}{_margins(metrics)}  {ckpt['uri']}{removed}"
         )
     return 0
 

@@ -85,6 +85,7 @@ JOB_COLUMNS = (
     *("id", "tenant", "name", "status", "status_message", "model", "method", "executor", "spec"),
     *("created_at", "started_at", "finished_at", "step", "total_steps", "epoch", "eta_seconds", "loss"),
     *("eval_loss", "accuracy", "eval_accuracy", "learning_rate", "tokens_per_second", "trained_tokens"),
+    *("chosen_reward", "rejected_reward", "eval_chosen_reward", "eval_rejected_reward"),
     *("restarts", "preemptions"),
     *("admitted_at", "held_seconds", "pauses", "retries", "data_stats"),
     *("error_code", "error_message", "output_uri", "exported_step", "checkpoint_uri"),
@@ -133,7 +134,8 @@ class NewJob:
             f'"executor":{text(row["executor"])},"created_at":"{_utc_iso(row["created_at"])}",'
             f'"started_at":null,"finished_at":null,"progress":{{"step":{row["step"]},"total_steps":null,'
             '"epoch":null,"fraction":null,"eta_seconds":null},"metrics":{"loss":null,"eval_loss":null,'
-            '"accuracy":null,"eval_accuracy":null,'
+            '"accuracy":null,"eval_accuracy":null,"chosen_reward":null,"rejected_reward":null,'
+            '"eval_chosen_reward":null,"eval_rejected_reward":null,'
             f'"learning_rate":null,"tokens_per_second":null}},"trained_tokens":{row["trained_tokens"]},'
             '"data_stats":null,'
             f'"restarts":{row["restarts"]},"preemptions":{row["preemptions"]},"pauses":{row["pauses"]},'
@@ -1336,6 +1338,8 @@ def _aggregate(job: Job, reports: list[Any]) -> dict[str, Any]:
                     "epoch",
                     "loss",
                     "accuracy",
+                    "chosen_reward",
+                    "rejected_reward",
                     "learning_rate",
                     "tokens_per_second",
                     "eta_seconds",
@@ -1345,8 +1349,8 @@ def _aggregate(job: Job, reports: list[Any]) -> dict[str, Any]:
                 if report.trained_tokens is not None:
                     values["trained_tokens"] = report.trained_tokens
             case EvalReport():
-                values["eval_loss"] = report.eval_loss
-                values["eval_accuracy"] = report.eval_accuracy
+                for field in EVAL_FIELDS:
+                    values[field] = getattr(report, field)
             case CheckpointReport():
                 values["checkpoint_uri"] = report.uri
             case ResultReport():
@@ -1379,7 +1383,8 @@ METRIC_FIELDS = (
     "chosen_reward",
     "rejected_reward",
 )
-EVAL_FIELDS = ("eval_loss", "eval_accuracy", "eval_chosen_reward", "eval_rejected_reward")
+REWARD_FIELDS = ("chosen_reward", "rejected_reward", "eval_chosen_reward", "eval_rejected_reward")
+EVAL_FIELDS = ("eval_loss", "eval_accuracy", *REWARD_FIELDS[2:])
 
 
 def metrics_history(
@@ -1447,7 +1452,7 @@ def saved_log(session: Session, job: Job) -> JobLog | None:
     ).first()
 
 
-CHECKPOINT_FIELDS = ("loss", "eval_loss", "accuracy", "eval_accuracy")
+CHECKPOINT_FIELDS = ("loss", "eval_loss", "accuracy", "eval_accuracy", *REWARD_FIELDS)
 
 
 def _checkpoint_events(connection: Connection, *job: Any) -> list[tuple[int, datetime, dict[str, Any]]]:

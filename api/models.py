@@ -73,6 +73,11 @@ class Job(SQLModel, table=True):
     # Token accuracy (0..1), training and held out (migration 0022).
     accuracy: float | None = None
     eval_accuracy: float | None = None
+    # A dpo job's rewards, chosen and rejected, training and held out (migration 0024).
+    chosen_reward: float | None = None
+    rejected_reward: float | None = None
+    eval_chosen_reward: float | None = None
+    eval_rejected_reward: float | None = None
     learning_rate: float | None = None
     tokens_per_second: float | None = None
     trained_tokens: int = Field(default=0, sa_type=BigInteger)

@@ -76,6 +76,18 @@ class JobProgress(BaseModel):
     eta_seconds: float | None
 
 
+# A dpo job's rewards: in its metrics history, its job object and its checkpoints.
+_CHOSEN_REWARD = (
+    "A dpo job's: the mean reward of {when} chosen replies, beta times how much more likely the model "
+    "makes them than the weights it started from (their log-probability ratio; SimPO: beta times their mean "
+    "log-probability a token). Below 0: the chosen replies grow less likely too (`method.rpo_alpha` counters "
+    "it). Null for other jobs."
+)
+_REJECTED_REWARD = "A dpo job's: the same for the rejected replies; the gap between the two is the margin."
+_EVAL_CHOSEN_REWARD = "`chosen_reward` on the validation pairs."
+_EVAL_REJECTED_REWARD = "`rejected_reward` on the validation pairs."
+
+
 class JobMetrics(BaseModel):
     """While it runs, its latest step's and eval's figures; once it succeeded, those of the weights it
     exported (`exported_step`: with `export_best`, the lowest eval loss's step)."""
@@ -89,6 +101,10 @@ class JobMetrics(BaseModel):
     eval_accuracy: float | None = Field(
         description="Token accuracy on the validation data at the latest eval."
     )
+    chosen_reward: float | None = Field(description=_CHOSEN_REWARD.format(when="the latest step's"))
+    rejected_reward: float | None = Field(description=_REJECTED_REWARD)
+    eval_chosen_reward: float | None = Field(description=_EVAL_CHOSEN_REWARD + " (the latest eval's)")
+    eval_rejected_reward: float | None = Field(description=_EVAL_REJECTED_REWARD + " (the latest eval's)")
     learning_rate: float | None
     tokens_per_second: float | None
 
@@ -240,6 +256,10 @@ class JobPublic(BaseModel):
                 eval_loss=job.eval_loss,
                 accuracy=job.accuracy,
                 eval_accuracy=job.eval_accuracy,
+                chosen_reward=job.chosen_reward,
+                rejected_reward=job.rejected_reward,
+                eval_chosen_reward=job.eval_chosen_reward,
+                eval_rejected_reward=job.eval_rejected_reward,
                 learning_rate=job.learning_rate,
                 tokens_per_second=job.tokens_per_second,
             ),
@@ -374,23 +394,10 @@ class MetricPoint(BaseModel):
     tokens_per_second: float | None
     trained_tokens: int | None
     epoch: float | None
-    chosen_reward: float | None = Field(
-        default=None,
-        description="A dpo job's: the mean reward of the step's chosen replies, beta times how much more "
-        "likely the model makes them than the weights it started from (their log-probability ratio; "
-        "SimPO: beta times their mean log-probability a token). Below 0: the chosen replies grow less "
-        "likely too (`method.rpo_alpha` counters it). Null for other jobs.",
-    )
-    rejected_reward: float | None = Field(
-        default=None,
-        description="A dpo job's: the same for the rejected replies; the gap between the two is the margin.",
-    )
-    eval_chosen_reward: float | None = Field(
-        default=None, description="`chosen_reward` on the validation pairs."
-    )
-    eval_rejected_reward: float | None = Field(
-        default=None, description="`rejected_reward` on the validation pairs."
-    )
+    chosen_reward: float | None = Field(default=None, description=_CHOSEN_REWARD.format(when="the step's"))
+    rejected_reward: float | None = Field(default=None, description=_REJECTED_REWARD)
+    eval_chosen_reward: float | None = Field(default=None, description=_EVAL_CHOSEN_REWARD)
+    eval_rejected_reward: float | None = Field(default=None, description=_EVAL_REJECTED_REWARD)
 
 
 class MetricsPage(BaseModel):
@@ -407,6 +414,14 @@ class CheckpointMetrics(BaseModel):
     eval_loss: float | None
     accuracy: float | None
     eval_accuracy: float | None
+    chosen_reward: float | None = Field(default=None, description=_CHOSEN_REWARD.format(when="its step's"))
+    rejected_reward: float | None = Field(default=None, description=_REJECTED_REWARD)
+    eval_chosen_reward: float | None = Field(
+        default=None, description=_EVAL_CHOSEN_REWARD + " (its step's eval, if one ran then)"
+    )
+    eval_rejected_reward: float | None = Field(
+        default=None, description=_EVAL_REJECTED_REWARD + " (its step's eval, if one ran then)"
+    )
 
 
 class CheckpointPublic(BaseModel):

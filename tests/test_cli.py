@@ -25,6 +25,7 @@ from api.cli import (
     parser,
     progress_line,
     queue_place,
+    rewards_line,
     usage_line,
 )
 from api.client import Client
@@ -725,6 +726,14 @@ def test_tenants_commands(live_api, dataset: Path, capsys) -> None:  # type: ign
     assert code == 3 and "(admin_only)" in err
 
 
+def test_rewards_line() -> None:
+    metrics = {"chosen_reward": 0.5, "rejected_reward": -0.25, "eval_chosen_reward": None}
+    assert rewards_line({"metrics": metrics}) == "rewards: chosen +0.5000 rejected -0.2500 (margin +0.7500)"
+    held_out = {"eval_chosen_reward": -0.125, "eval_rejected_reward": -0.5}
+    assert rewards_line({"metrics": held_out}) == "held out: chosen -0.1250 rejected -0.5000 (margin +0.3750)"
+    assert rewards_line({"metrics": {"loss": 1.0, "chosen_reward": 0.5, "rejected_reward": None}}) is None
+
+
 def test_data_line() -> None:
     assert (
         data_line({"data_stats": None}) is None and data_line({}) is None
@@ -801,3 +810,22 @@ def test_metrics_table_csv_and_pages(live_api, dataset: Path, capsys) -> None:  
     rows = list(csv.DictReader(io.StringIO(out)))
     assert rows[1] == {**rows[1], "chosen_reward": "0.25", "eval_rejected_reward": "-1.5"}
     assert rows[0]["chosen_reward"] == ""
+    # `tputune status`: the latest rewards and margins; `tputune checkpoints`: each one's margins.
+    code, out, _ = run(api, capsys, "status", job_id)
+    assert (
+        code == 0
+        and (
+            "\n  rewards: chosen +0.2500 rejected -0.1250 (margin +0.3750); "
+            "held out: chosen +0.5000 rejected -1.5000 (margin +2.0000)\n"
+        )
+        in out
+    )
+    checkpoint = {"kind": "checkpoint", "step": 2, "uri": "/o/ckpt/2", "loss": 0.5, **rewards, **eval_rewards}
+    report(api, job_id, token, [checkpoint, {"kind": "checkpoint", "step": 1, "uri": "/o/ckpt/1"}])
+    code, out, _ = run(api, capsys, "checkpoints", job_id)
+    assert out.splitlines() == [
+        "step       1  loss -  eval -  /o/ckpt/1",
+        "step       2  loss 0.5000  eval - margin +0.3750 eval-margin +2.0000  /o/ckpt/2",
+    ]
+    code, out, _ = run(api, capsys, "status", created)
+    assert code == 0 and "rewards:" not in out  # (an sft job's: none)

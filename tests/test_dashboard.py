@@ -237,8 +237,12 @@ def test_a_dpo_job_page_says_it_learns_from_preference_pairs(
         "validation 30 preference pairs"
     )
     expect(page.locator('#events li[data-type="data"]')).to_contain_text("Data: 270 preference pairs")
-    # Its rewards, chosen and rejected, on a chart of their own: from the history, then as they come.
+    # Its rewards, chosen and rejected, on a chart of their own: from the history, then as they come; the
+    # latest in its facts.
     expect(page.locator("#rewards-card")).to_be_hidden()
+    expect(page.locator("#rewards-fact")).to_be_visible()
+    expect(page.locator("#f-rewards")).to_have_text("—")
+    expect(page.locator("#f-eval-rewards")).to_have_text("—")
     rewards = [
         {"chosen_reward": 0.0, "rejected_reward": 0.0},
         {"chosen_reward": 0.25, "rejected_reward": -0.5},
@@ -249,6 +253,7 @@ def test_a_dpo_job_page_says_it_learns_from_preference_pairs(
     rewards_chart = page.locator("#rewards-chart")
     expect(rewards_chart.locator('path[data-series="chosen_reward"]')).to_have_attribute("data-count", "2")
     assert series(page, "rejected_reward", "rewards-chart") == [[1, 0.0], [2, -0.5]]
+    expect(page.locator("#f-rewards")).to_have_text("chosen +0.25, rejected -0.5 (margin +0.75)")
     report(api, job_id, token, [{**step(3, 0.6, total=33), "chosen_reward": 0.5, "rejected_reward": -1.0}])
     evaluated = {"eval_chosen_reward": 0.375, "eval_rejected_reward": -0.75}
     report(api, job_id, token, [{"kind": "eval", "step": 3, "eval_loss": 0.6, **evaluated}])
@@ -257,6 +262,8 @@ def test_a_dpo_job_page_says_it_learns_from_preference_pairs(
         "data-count", "1"
     )
     assert series(page, "eval_chosen_reward", "rewards-chart") == [[3, 0.375]]
+    expect(page.locator("#f-rewards")).to_have_text("chosen +0.5, rejected -1 (margin +1.5)")
+    expect(page.locator("#f-eval-rewards")).to_have_text("chosen +0.375, rejected -0.75 (margin +1.125)")
     # A SimPO job (dpo with simpo_gamma) says so.
     method = {"type": "lora", "objective": "dpo", "simpo_gamma": 1.0, "dpo_beta": 2.0}
     simpo = create(api, dataset, "simpo", method=method)
@@ -335,6 +342,8 @@ def test_job_page_shows_history_updates_live_and_cancels(
     # Token accuracy in a chart of its own, training and eval.
     expect(page.locator("#accuracy-card")).to_be_visible()
     expect(page.locator("#rewards-card")).to_be_hidden()  # (an sft job: no rewards)
+    expect(page.locator("#rewards-fact")).to_be_hidden()
+    expect(page.locator("#eval-rewards-fact")).to_be_hidden()
     expect(page.locator("#accuracy-heading")).to_have_text("Token accuracy")
     accuracy = page.locator("#accuracy-chart")
     expect(accuracy.locator('path[data-series="accuracy"]')).to_have_attribute("data-count", "10")

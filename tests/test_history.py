@@ -52,8 +52,20 @@ def test_metrics_and_checkpoints(client: TestClient, dataset: Path) -> None:
     assert [p["step"] for p in first["data"]] == [1, 2, 3, 4] and first["has_more"]
     ckpts = client.get(f"/jobs/{job_id}/checkpoints").json()["data"]
     assert [(c["step"], c["uri"]) for c in ckpts] == [(5, "/o/ckpt/5"), (10, "/o/ckpt/10")]
-    assert ckpts[0]["metrics"] == {"loss": 3.5, "eval_loss": 3.7, "accuracy": 0.25, "eval_accuracy": 0.2}
-    assert ckpts[1]["metrics"] == {"loss": 3.0, "eval_loss": None, "accuracy": None, "eval_accuracy": None}
+    rewards = dict.fromkeys(
+        ("chosen_reward", "rejected_reward", "eval_chosen_reward", "eval_rejected_reward")
+    )
+    assert ckpts[0]["metrics"] == {
+        **{"loss": 3.5, "eval_loss": 3.7, "accuracy": 0.25, "eval_accuracy": 0.2},
+        **rewards,  # (a dpo job's: test_progress)
+    }
+    assert ckpts[1]["metrics"] == {
+        "loss": 3.0,
+        "eval_loss": None,
+        "accuracy": None,
+        "eval_accuracy": None,
+        **rewards,
+    }
     assert [c["kept"] for c in ckpts] == [None, None]  # (its worker did not say)
     # Which are kept, as the latest report that says so says (its last keep_checkpoints: 2 here).
     post(client, job_id, token, [{"kind": "checkpoint", "step": 15, "uri": "/o/ckpt/15", "kept": [10, 15]}])

@@ -83,6 +83,8 @@ def test_reports_update_the_job(client: TestClient, dataset: Path) -> None:
         "eval_loss": 2.7,
         "accuracy": 0.375,
         "eval_accuracy": 0.3,
+        # (a dpo job's: none for this one's)
+        **dict.fromkeys(("chosen_reward", "rejected_reward", "eval_chosen_reward", "eval_rejected_reward")),
         "learning_rate": 1e-4,
         "tokens_per_second": 100.0,
     }
@@ -98,9 +100,12 @@ def test_reports_update_the_job(client: TestClient, dataset: Path) -> None:
     assert types.count("metrics") == 3 and "checkpoint" in types and "eval" in types
 
 
-def test_a_dpo_jobs_rewards_are_in_its_history_and_events(client: TestClient, dataset: Path) -> None:
+def test_a_dpo_jobs_rewards_are_in_its_history_events_metrics_and_checkpoints(
+    client: TestClient, dataset: Path
+) -> None:
     """A dpo job's worker reports each step's mean rewards of the chosen and rejected replies (and each
-    eval's): the metrics history has them per step, next to the loss, and the events say them."""
+    eval's): the metrics history has them per step, next to the loss, and the events say them; the job's
+    metrics have the latest (the highest step's), its checkpoints theirs."""
     job_id, token = started_job(client, dataset)
     rewards = {"chosen_reward": 0.125, "rejected_reward": -0.5}
     eval_report = {"kind": "eval", "step": 2, "eval_loss": 0.6, "eval_accuracy": 0.75}
@@ -126,6 +131,25 @@ def test_a_dpo_jobs_rewards_are_in_its_history_and_events(client: TestClient, da
     assert "step 2/10: loss 0.5500, accuracy 50.0%, rewards chosen +0.125, rejected -0.500" in messages
     assert "step 2: eval loss 0.6000, accuracy 75.0%, rewards chosen +0.250, rejected -0.750" in messages
     assert "step 1/10: loss 0.6900, accuracy 0.0%" in messages
+    job = client.get(f"/jobs/{job_id}").json()["metrics"]
+    assert (job["chosen_reward"], job["rejected_reward"]) == (0.125, -0.5)
+    assert (job["eval_chosen_reward"], job["eval_rejected_reward"]) == (0.25, -0.75)
+    # A late report of an earlier step leaves the latest; the next step's and eval's replace them.
+    post(client, job_id, token, [{**metrics(1, 0.69), "chosen_reward": 9.0, "rejected_reward": 9.0}])
+    assert client.get(f"/jobs/{job_id}").json()["metrics"]["chosen_reward"] == 0.125
+    later = {"chosen_reward": 0.5, "rejected_reward": -1.25}
+    post(client, job_id, token, [{**metrics(3, 0.4), **later}, {**eval_report, "step": 3, "eval_loss": 0.5}])
+    job = client.get(f"/jobs/{job_id}").json()["metrics"]
+    assert (job["chosen_reward"], job["rejected_reward"]) == (0.5, -1.25)
+    assert (job["eval_chosen_reward"], job["eval_rejected_reward"]) == (None, None)  # (that eval had none)
+    checkpoint = {"kind": "checkpoint", "step": 3, "uri": "/x/ckpt/3", "loss": 0.4, **later}
+    post(client, job_id, token, [{**checkpoint, "eval_chosen_reward": 0.375, "eval_rejected_reward": -1.0}])
+    (saved,) = client.get(f"/jobs/{job_id}/checkpoints").json()["data"]
+    assert saved["metrics"] == {
+        **{"loss": 0.4, "eval_loss": None, "accuracy": None, "eval_accuracy": None},
+        **{"chosen_reward": 0.5, "rejected_reward": -1.25},
+        **{"eval_chosen_reward": 0.375, "eval_rejected_reward": -1.0},
+    }
 
 
 def test_a_result_of_the_lowest_eval_gives_the_job_that_step_and_its_figures(
@@ -141,11 +165,14 @@ def test_a_result_of_the_lowest_eval_gives_the_job_that_step_and_its_figures(
     ]
     post(client, job_id, token, [metrics(s, 3.0 - s * 0.1, accuracy=0.2) for s in range(1, 5)] + evals)
     assert client.get(f"/jobs/{job_id}").json()["exported_step"] is None
+    post(client, job_id, token, [{**metrics(4, 2.6), "chosen_reward": 0.5, "rejected_reward": -0.5}])
     result = {"kind": "result", "step": 4, "exported_step": 2, "output_uri": "/o/final", "eval_loss": 1.5}
     post(client, job_id, token, [{**result, "loss": 2.8, "accuracy": 0.2, "eval_accuracy": 0.3}])
     job = client.get(f"/jobs/{job_id}").json()
     assert job["exported_step"] == 2 and job["progress"]["step"] == 4
     assert (job["metrics"]["loss"], job["metrics"]["eval_loss"]) == (2.8, 1.5)
+    # (step 4's rewards are not the exported weights': the result gave none of step 2's)
+    assert job["metrics"]["chosen_reward"] is None and job["metrics"]["rejected_reward"] is None
     (event,) = [e for e in client.get(f"/jobs/{job_id}/events").json()["data"] if e["type"] == "result"]
     assert event["message"] == (
         "Training finished. Exported the weights of step 2 (the lowest eval loss, 1.5000). Output: /o/final"

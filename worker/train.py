@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -100,11 +100,30 @@ class RunOptions:
 
 
 class Evaluated(NamedTuple):
-    """An eval at a step: its loss and token accuracy over the held-out rows."""
+    """An eval at a step: its loss and token accuracy over the held-out rows (a dpo job's: its pair
+    accuracy, and its pairs' mean rewards)."""
 
     step: int
     loss: float
     accuracy: float
+    chosen_reward: float | None = None
+    rejected_reward: float | None = None
+
+    def reported(self) -> dict[str, float | None]:
+        """Its figures as checkpoint and result reports name them."""
+        return {
+            "eval_loss": self.loss,
+            "eval_accuracy": self.accuracy,
+            "eval_chosen_reward": self.chosen_reward,
+            "eval_rejected_reward": self.rejected_reward,
+        }
+
+
+def _train_rewards(values: Mapping[str, Any]) -> dict[str, float | None]:
+    """A dpo job's step rewards in `values` (a step's metrics, a checkpoint's position): {} for others, and
+    from a checkpoint saved before they were kept."""
+    names = ("chosen_reward", "rejected_reward")
+    return {name: values[name] for name in names if values.get(name) is not None}
 
 
 class LossNotFinite(Exception):
@@ -592,6 +611,8 @@ class _Run:
         self.trained_tokens = 0
         self.last_loss: float | None = None
         self.last_accuracy: float | None = None
+        # A dpo job's last step's rewards, chosen and rejected, as its checkpoints and result report them.
+        self.last_rewards: dict[str, float | None] = {}
         self.last_eval: Evaluated | None = None
         # Early stopping: the best eval so far, and how many evals since have not bettered it.
         self.best_eval: tuple[int, float] | None = None
@@ -723,6 +744,7 @@ class _Run:
         state, position = self.checkpoints.restore(latest, self.placed_state)
         self.trained_tokens, self.last_loss = int(position.get("trained_tokens", 0)), position.get("loss")
         self.last_accuracy = position.get("accuracy")  # (None from a checkpoint saved before it was kept)
+        self.last_rewards = _train_rewards(position)
         self.chosen_logp_start = position.get("chosen_logp_start")
         if position.get("best_eval_step") is not None:
             self.best_eval = (int(position["best_eval_step"]), float(position["best_eval_loss"]))
@@ -732,6 +754,8 @@ class _Run:
                 int(position["lowest_eval_step"]),
                 float(position["lowest_eval_loss"]),
                 float(position["lowest_eval_accuracy"]),
+                position.get("lowest_eval_chosen_reward"),
+                position.get("lowest_eval_rejected_reward"),
             )
             if self.hyper.exports_best:
                 self.checkpoints.keep(self.lowest_eval.step)
@@ -875,10 +899,7 @@ class _Run:
                 step=step,
                 exported_step=exported,
                 output_uri=output,
-                loss=self.last_loss,
-                accuracy=self.last_accuracy,
-                eval_loss=evaluated.loss if evaluated else None,
-                eval_accuracy=evaluated.accuracy if evaluated else None,
+                **self._figures(evaluated),
                 trained_tokens=self.trained_tokens,
                 train_seconds=train_seconds,
             )
@@ -910,6 +931,7 @@ class _Run:
         self._clock = (now, step_seconds)
         self.trained_tokens += int(values["tokens"])
         self.last_loss, self.last_accuracy = values["loss"], values["accuracy"]
+        self.last_rewards = _train_rewards(values)
         self.reporter.send(
             MetricsReport(
                 step=step + 1,
@@ -937,7 +959,8 @@ class _Run:
             sums = batch_sums if sums is None else jax.tree.map(np.add, sums, batch_sums)
         total, count, correct, tokens, more = jax.tree.map(float, sums)
         chosen_logp = more.pop(CHOSEN_LOGP, None)
-        evaluated = Evaluated(step, total / max(count, 1.0), correct / max(count, 1.0))
+        means = {name: value / max(count, 1.0) for name, value in more.items()}  # (a dpo job's rewards)
+        evaluated = Evaluated(step, total / max(count, 1.0), correct / max(count, 1.0), **means)
         if not math.isfinite(evaluated.loss):
             raise LossNotFinite(step, evaluated.loss, "eval loss")
         self.last_eval = evaluated
@@ -951,7 +974,7 @@ class _Run:
                 eval_loss=evaluated.loss,
                 eval_accuracy=evaluated.accuracy,
                 eval_tokens=int(tokens),
-                **{f"eval_{name}": value / max(count, 1.0) for name, value in more.items()},
+                **{f"eval_{name}": value for name, value in means.items()},
             )
         )
         if chosen_logp is not None:
@@ -1012,12 +1035,14 @@ class _Run:
         self.checkpoints.wait()
         if lowest.step == 0:  # (the base model's: a fresh adapter on it, or the base weights again)
             self.last_loss = self.last_accuracy = None
+            self.last_rewards = {}
             if self.model.lora_rank is not None:
                 return {"params": self.model.init_lora(self.hyper.seed, self.param_shardings[0])}
             why = "the lowest eval loss was before training: "
             return {"params": self._initial_params(self.param_shardings, why)[0]}
         state, position = self.checkpoints.restore(lowest.step, self.placed_state)
         self.last_loss, self.last_accuracy = position.get("loss"), position.get("accuracy")
+        self.last_rewards = _train_rewards(position)
         return state
 
     def _save(self, state: Params, step: int) -> None:
@@ -1028,12 +1053,15 @@ class _Run:
             "trained_tokens": self.trained_tokens,
             "loss": self.last_loss,
             "accuracy": self.last_accuracy,
+            **self.last_rewards,
             "best_eval_step": best_step,
             "best_eval_loss": best,
             "stale_evals": self.stale_evals,
             "lowest_eval_step": lowest.step if lowest else None,
             "lowest_eval_loss": lowest.loss if lowest else None,
             "lowest_eval_accuracy": lowest.accuracy if lowest else None,
+            "lowest_eval_chosen_reward": lowest.chosen_reward if lowest else None,
+            "lowest_eval_rejected_reward": lowest.rejected_reward if lowest else None,
             "chosen_logp_start": self.chosen_logp_start,
         }
         self.checkpoints.save(step, state, position)
@@ -1043,12 +1071,15 @@ class _Run:
                 step=step,
                 uri=self.checkpoints.uri(step),
                 kept=self.checkpoints.steps(),
-                loss=self.last_loss,
-                accuracy=self.last_accuracy,
-                eval_loss=evaluated.loss if evaluated else None,
-                eval_accuracy=evaluated.accuracy if evaluated else None,
+                **self._figures(evaluated),
             )
         )
+
+    def _figures(self, evaluated: Evaluated | None) -> dict[str, Any]:
+        """What a checkpoint or result reports of the weights it holds: their last step's figures, and
+        those of `evaluated` (their step's eval), if any."""
+        held_out = evaluated.reported() if evaluated else {}
+        return {"loss": self.last_loss, "accuracy": self.last_accuracy, **self.last_rewards, **held_out}
 
     def _export(self, state: Params, frozen: Params, weights_step: int, step: int) -> str:
         """Write the weights of step `weights_step` (the run ended at `step`) under `{output_uri}/final`;

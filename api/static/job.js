@@ -94,6 +94,14 @@ function ordinal(n) {
   return `${n}${teen ? "th" : { 1: "st", 2: "nd", 3: "rd" }[n % 10] ?? "th"}`;
 }
 
+// A dpo job's rewards: "chosen +0.25, rejected -0.5 (margin +0.75)" (as its events and `tputune status`
+// say them); "—" before its worker reports them.
+function formatRewards(chosen, rejected) {
+  if (chosen === null || rejected === null) return "—";
+  const signed = (value) => (value > 0 ? "+" : "") + formatNumber(value);
+  return `chosen ${signed(chosen)}, rejected ${signed(rejected)} (margin ${signed(chosen - rejected)})`;
+}
+
 function showJob(next) {
   job = next;
   document.title = `${job.name} · tputune`;
@@ -133,6 +141,12 @@ function showJob(next) {
   $("f-eval-loss").textContent = formatNumber(job.metrics.eval_loss);
   $("f-accuracy").textContent = formatAccuracy(job.metrics.accuracy);
   $("f-eval-accuracy").textContent = formatAccuracy(job.metrics.eval_accuracy);
+  for (const [fact, prefix] of [["rewards", ""], ["eval-rewards", "eval_"]]) {
+    const chosen = job.metrics[`${prefix}chosen_reward`] ?? null;
+    const rejected = job.metrics[`${prefix}rejected_reward`] ?? null;
+    $(`${fact}-fact`).hidden = !dpo;
+    $(`f-${fact}`).textContent = formatRewards(chosen, rejected);
+  }
   $("f-lr").textContent = formatNumber(job.metrics.learning_rate);
   $("f-tps").textContent = formatInteger(job.metrics.tokens_per_second);
   $("f-tokens").textContent = formatInteger(job.trained_tokens);

@@ -296,3 +296,48 @@ def test_a_simpo_run_that_unlearns_the_chosen_replies_says_so_after_a_resume(
     assert start.eval_chosen_reward is not None and end.eval_chosen_reward is not None
     fall = (start.eval_chosen_reward - end.eval_chosen_reward) / 2.0
     assert fall > 1.0 and f"are {fall:.2f} nats a token" in warning.message
+
+
+def test_a_dpo_runs_checkpoints_and_export_carry_the_rewards_of_their_weights(
+    tmp_path: Path, pairs_path: Path, tiny_tokenizer_path: Path
+) -> None:
+    """Each checkpoint reports its step's rewards (and its eval's); with export_best, the result those of
+    the weights exported. SimPO at a harsh learning rate, an eval a step: stopped at step 4 (its lowest eval
+    loss), resumed to 5 (a higher one), the result is step 4's, as its checkpoint kept them."""
+    spec = {"method": {"objective": "dpo", "simpo_gamma": 0.5, "dpo_beta": 2.0}, "validation_split": 0.1}
+    hyper = {**DPO_HYPERPARAMETERS, "learning_rate": 3e-2, "eval_every_steps": 1, "export_best": True}
+    config = tiny_config(tmp_path, pairs_path, tiny_tokenizer_path, spec=spec, **{**hyper, "max_steps": 4})
+    first = Recorder()
+    assert train.run(config, first, TEST_OPTIONS) == EXIT_OK
+    steps = {m.step: m for m in first.of_kind("metrics")}
+    evals = {e.step: e for e in first.of_kind("eval")}
+    for saved in first.of_kind("checkpoint"):
+        assert saved.chosen_reward is not None and saved.eval_chosen_reward is not None
+        trained, evaluated = steps[saved.step], evals[saved.step]
+        assert (saved.chosen_reward, saved.rejected_reward) == (
+            trained.chosen_reward,
+            trained.rejected_reward,
+        )
+        assert (saved.eval_chosen_reward, saved.eval_rejected_reward) == (
+            evaluated.eval_chosen_reward,
+            evaluated.eval_rejected_reward,
+        )
+    (result,) = first.of_kind("result")
+    assert (result.exported_step, result.chosen_reward) == (4, steps[4].chosen_reward)
+
+    config = tiny_config(tmp_path, pairs_path, tiny_tokenizer_path, spec=spec, **{**hyper, "max_steps": 5})
+    resumed = Recorder()
+    assert train.run(config, resumed, TEST_OPTIONS) == EXIT_OK
+    (last,) = resumed.of_kind("eval")
+    assert last.step == 5 and last.eval_loss > evals[4].eval_loss  # (the premise)
+    (result,) = resumed.of_kind("result")
+    assert (result.step, result.exported_step) == (5, 4)
+    assert (result.chosen_reward, result.rejected_reward) == (
+        steps[4].chosen_reward,
+        steps[4].rejected_reward,
+    )
+    assert (result.eval_chosen_reward, result.eval_rejected_reward) == (
+        evals[4].eval_chosen_reward,
+        evals[4].eval_rejected_reward,
+    )
+    assert result.chosen_reward != resumed.of_kind("metrics")[-1].chosen_reward

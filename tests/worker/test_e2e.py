@@ -173,6 +173,10 @@ def test_sft_then_dpo_from_its_weights(  # type: ignore[no-untyped-def]
     evals = [(p["step"], p["eval_loss"]) for p in points if p["eval_loss"] is not None]
     assert [s for s, _ in evals] == [0, 2, 4] and evals[0][1] == pytest.approx(math.log(2), abs=1e-5)
     assert evals[-1][1] < evals[0][1]
+    # Its metrics, once it succeeded: the rewards of the weights exported (its last step's, and eval's).
+    rewards = ("chosen_reward", "rejected_reward", "eval_chosen_reward", "eval_rejected_reward")
+    assert [job["metrics"][name] for name in rewards] == [points[-1][name] for name in rewards]
+    assert job["metrics"]["eval_chosen_reward"] > job["metrics"]["eval_rejected_reward"]
     assert data[0]["message"].startswith("Data: 180 preference pairs, ")
     assert Path(job["exports"]["params"]).is_dir()
 

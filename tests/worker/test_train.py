@@ -722,6 +722,7 @@ def test_export_best_exports_the_weights_of_the_lowest_eval_loss(
     assert (result.eval_loss, result.eval_accuracy) == (evals[2].eval_loss, evals[2].eval_accuracy)
     assert result.loss == losses(recorder.reports)[2]
     assert result.accuracy == next(m.accuracy for m in recorder.of_kind("metrics") if m.step == 2)
+    assert (result.chosen_reward, result.eval_chosen_reward) == (None, None)  # (a dpo job's only)
     exported = saved_params(tmp_path / "final" / "params")
     assert same_arrays(exported, saved_params(tmp_path / "checkpoints" / "2" / "state"))
     assert not same_arrays(exported, saved_params(tmp_path / "checkpoints" / "4" / "state"))
