@@ -438,10 +438,11 @@ def events(args: argparse.Namespace) -> int:
 
 def logs(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        answer = client.logs(args.job_id, tail=args.tail, previous=args.previous)
+        answer = client.logs(args.job_id, tail=args.tail, previous=args.previous, run=args.run)
         seen = answer["lines"]
         if answer.get("saved_at"):
-            print(f"(saved as the run ended, {answer['saved_at']}: its pods are gone)", file=sys.stderr)
+            run = f"run {answer['run']}" if answer.get("run") is not None else "the run"
+            print(f"(saved as {run} ended, {answer['saved_at']}: its pods are gone)", file=sys.stderr)
         for line in seen:
             print(line)
         while args.follow:
@@ -948,6 +949,13 @@ def parser() -> argparse.ArgumentParser:
         "--previous",
         action="store_true",
         help="GKE: the log saved as the job's last run ended (a failed one's)",
+    )
+    which.add_argument(
+        "--run",
+        type=int,
+        metavar="N",
+        help="GKE: the log saved as run N of the job ended (0 its first; each pause, and each resume after "
+        "a failure, starts the next)",
     )
     p.set_defaults(func=logs)
 

@@ -177,10 +177,14 @@ class Client:
     def checkpoints(self, job_id: str) -> dict[str, Any]:
         return self._request("GET", f"/jobs/{job_id}/checkpoints")
 
-    def logs(self, job_id: str, tail: int = 200, previous: bool = False) -> dict[str, Any]:
+    def logs(
+        self, job_id: str, tail: int = 200, previous: bool = False, run: int | None = None
+    ) -> dict[str, Any]:
         params: dict[str, Any] = {"tail": tail}
         if previous:
             params["previous"] = "true"
+        if run is not None:
+            params["run"] = run
         return self._request("GET", f"/jobs/{job_id}/logs", params=params)
 
     # --- API keys (admin key only) ---

@@ -1445,11 +1445,18 @@ def save_log(session: Session, job: Job, lines: list[str], truncated: bool) -> N
     session.add(row)
 
 
-def saved_log(session: Session, job: Job) -> JobLog | None:
-    """The log saved as the job's latest run to end ended, if any."""
-    return session.exec(
-        select(JobLog).where(JobLog.job_seq == job.seq).order_by(col(JobLog.run).desc()).limit(1)
-    ).first()
+def saved_log(session: Session, job: Job, run: int | None = None) -> JobLog | None:
+    """The log saved as the job's run `run` ended (default: its latest run to end), if any."""
+    query = select(JobLog).where(JobLog.job_seq == job.seq)
+    if run is not None:
+        query = query.where(JobLog.run == run)
+    return session.exec(query.order_by(col(JobLog.run).desc()).limit(1)).first()
+
+
+def saved_runs(session: Session, job: Job) -> list[int]:
+    """The runs of the job whose logs were saved, in order."""
+    query = select(JobLog.run).where(JobLog.job_seq == job.seq).order_by(col(JobLog.run))
+    return list(session.exec(query))
 
 
 CHECKPOINT_FIELDS = ("loss", "eval_loss", "accuracy", "eval_accuracy", *REWARD_FIELDS)

@@ -374,8 +374,13 @@ class LogsResponse(BaseModel):
     truncated: bool = Field(description="True when older lines were left out (see `tail`).")
     saved_at: datetime | None = Field(
         default=None,
-        description="Set when the lines are those saved as the job's latest run ended (Kubernetes: its "
+        description="Set when the lines are those saved as one of the job's runs ended (Kubernetes: its "
         "pods, and their logs, are gone): when they were saved.",
+    )
+    run: int | None = Field(
+        default=None,
+        description="Set with `saved_at`: which run's log this is. A job's first run is 0; each pause, and "
+        "each resume after a failure, starts the next (a restart within a run does not).",
     )
 
 

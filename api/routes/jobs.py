@@ -38,7 +38,7 @@ from api.errors import (
     read_json_body,
 )
 from api.executors import FollowsLogs, LogStream
-from api.models import MAX_ID, as_utc
+from api.models import MAX_ID, Job, JobLog, as_utc
 from api.schemas import (
     EXAMPLE_JOB,
     CheckpointList,
@@ -592,29 +592,43 @@ def job_logs(
             "while the resumed job runs again)."
         ),
     ] = False,
+    run: Annotated[
+        int | None,
+        Query(
+            ge=0,
+            le=2**31 - 1,
+            description="Kubernetes: the log saved as this run of the job ended (0 its first; each pause, "
+            "and each resume after a failure, starts the next; the response's `run` says which a saved "
+            "log is). A run whose log was not saved is a 404 `log_not_saved` that names those saved.",
+        ),
+    ] = None,
 ) -> Response:
     """JAX process 0's log: the last `tail` lines, or with `follow=true` those and then new ones as they
     come (kubernetes executor; the stream ends when the pod does, e.g. at a restart: follow again).
 
     On Kubernetes a run's log goes with its pods (its JobSet deleted: the job paused, cancelled or
     resumed, or past TPUTUNE_K8S_TTL_SECONDS_AFTER_FINISHED): the end of it is saved as the run ends, and
-    served, with `saved_at`, once no pod has a log; `previous=true` asks for it while one does."""
+    served, with `saved_at`, once no pod has a log; `previous=true` asks for it while one does, and
+    `run=N` for an earlier run's."""
     job = service.get_job(session, principal.scope, job_id)
-    if previous and follow:
+    asked = "run" if run is not None else "previous" if previous else None  # (a saved log)
+    if asked and follow:
         raise ApiError(
             400,
-            "previous_not_supported",
-            "A saved log cannot be followed; drop follow or previous.",
-            param="previous",
+            f"{asked}_not_supported",
+            f"A saved log cannot be followed; drop follow or {asked}.",
+            param=asked,
         )
-    if previous and executor.logs_outlive_runs:
+    if asked and executor.logs_outlive_runs:
         raise ApiError(
             400,
-            "previous_not_supported",
+            f"{asked}_not_supported",
             "This server runs jobs as local processes, whose log file keeps every run's lines; "
-            "drop previous.",
-            param="previous",
+            f"drop {asked}.",
+            param=asked,
         )
+    if run is not None:
+        return _saved_run_log(session, job, run, tail)
     if follow:
         if not isinstance(executor, FollowsLogs):
             raise ApiError(
@@ -647,6 +661,29 @@ def job_logs(
     saved = service.saved_log(session, job) if previous or not lines else None
     if saved is None:
         return json_response(LogsResponse(job_id=job.id, lines=lines, truncated=truncated))
+    return _saved_lines(job, saved, tail)
+
+
+def _saved_run_log(session: Session, job: Job, run: int, tail: int) -> Response:
+    saved = service.saved_log(session, job, run)
+    if saved is None:
+        runs = service.saved_runs(session, job)
+        if not runs:
+            those = "none has one yet"
+        elif len(runs) == 1:
+            those = f"run {runs[0]} has one"
+        else:
+            those = f"runs {', '.join(map(str, runs[:-1]))} and {runs[-1]} have one"
+        raise ApiError(
+            404,
+            "log_not_saved",
+            f"No log of run {run} of job {job.id} was saved; {those} (a run's log is saved as it ends).",
+            param="run",
+        )
+    return _saved_lines(job, saved, tail)
+
+
+def _saved_lines(job: Job, saved: JobLog, tail: int) -> Response:
     kept = saved.text.splitlines()
     return json_response(
         LogsResponse(
@@ -654,6 +691,7 @@ def job_logs(
             lines=kept[-tail:],
             truncated=saved.truncated or len(kept) > tail,
             saved_at=as_utc(saved.saved_at),
+            run=saved.run,
         )
     )
 

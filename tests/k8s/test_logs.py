@@ -55,6 +55,7 @@ def test_tail_and_follow_the_process_zero_log(
             "lines": ["step 2", "step 3"],
             "truncated": True,
             "saved_at": None,
+            "run": None,  # (a live log, not a saved one)
         }
         assert http.get(f"/jobs/{job_id}/logs").json()["truncated"] is False
 
@@ -201,7 +202,8 @@ def test_a_runs_log_is_saved_as_it_ends_and_served_once_its_pods_are_gone(
 ) -> None:
     """A pod's log goes with the pod: the end of each run's (TPUTUNE_K8S_SAVED_LOG_LINES lines) is saved as
     it ends (failed, paused, succeeded) and served with `saved_at` once no pod has one; `previous=true`
-    gives the failed run's while the resumed job runs again."""
+    gives the failed run's while the resumed job runs again, `run=N` any run's (each pause, and each resume
+    after a failure, starts the next)."""
     api = k8s_api(k8s_saved_log_lines=3)
     job_id = submit(api, dataset_uri)
     running(api, cluster, job_id)
@@ -209,13 +211,22 @@ def test_a_runs_log_is_saved_as_it_ends_and_served_once_its_pods_are_gone(
         process_zero(cluster, job_id), NAMESPACE, "loading", "step 1", "step 2", "Traceback: boom"
     )
     assert logs(api, job_id, previous="true")["saved_at"] is None  # (running: nothing saved yet)
+    with api.client() as http:
+        unsaved = http.get(f"/jobs/{job_id}/logs", params={"run": 0})
+    assert unsaved.status_code == 404 and unsaved.json()["error"] == {
+        "code": "log_not_saved",
+        "message": f"No log of run 0 of job {job_id} was saved; none has one yet (a run's log is saved as "
+        "it ends).",
+        "param": "run",
+    }
     cluster.fail(job_id, exit_code=1)
     assert api.wait_for(job_id, lambda j: j["status"] in FINAL)["status"] == "failed"
     live = logs(api, job_id)  # the failed JobSet is kept: its pod's log is read
     assert live["lines"][-1] == "Traceback: boom" and live["saved_at"] is None
     failed_run = logs(api, job_id, previous="true")
     assert failed_run["lines"] == ["step 1", "step 2", "Traceback: boom"] and failed_run["truncated"] is True
-    assert failed_run["saved_at"] is not None
+    assert failed_run["saved_at"] is not None and failed_run["run"] == 0
+    assert logs(api, job_id, run=0) == failed_run
 
     fake_k8s.hold_foreground = True  # resumed, it waits queued while the failed JobSet is deleted
     assert post(api, job_id, "resume").json()["status"] == "queued"
@@ -237,7 +248,8 @@ def test_a_runs_log_is_saved_as_it_ends_and_served_once_its_pods_are_gone(
     paused_run = logs(api, job_id)
     assert paused_run["lines"] == ["resumed at step 2", "step 3"] and paused_run["truncated"] is False
     assert when(paused_run) > when(failed_run)
-    assert logs(api, job_id, previous="true") == paused_run
+    assert logs(api, job_id, previous="true") == paused_run and paused_run["run"] == 1
+    assert logs(api, job_id, run=0) == failed_run and logs(api, job_id, run=1) == paused_run
 
     assert post(api, job_id, "resume").json()["status"] == "queued"
     running(api, cluster, job_id)
@@ -248,13 +260,22 @@ def test_a_runs_log_is_saved_as_it_ends_and_served_once_its_pods_are_gone(
     for pod in cluster.pods(job_id):
         fake_k8s.remove("pods", pod["metadata"]["name"], NAMESPACE)
     last = logs(api, job_id)
-    assert last["lines"] == ["done"] and when(last) > when(paused_run)
+    assert last["lines"] == ["done"] and when(last) > when(paused_run) and last["run"] == 2
     code, out, err = cli(api, "logs", job_id, "--previous")
     assert code == 0
-    assert out == "done\n" and err.startswith("(saved as the run ended, ")
+    assert out == "done\n" and err.startswith("(saved as run 2 ended, ")
+    # Every run's, kept: the first (failed) run's too, from the CLI.
+    assert [logs(api, job_id, run=n)["lines"][-1] for n in range(3)] == ["Traceback: boom", "step 3", "done"]
+    code, out, err = cli(api, "logs", job_id, "--run", "0", "--tail", "2")
+    assert (code, out) == (0, "step 2\nTraceback: boom\n") and err.startswith("(saved as run 0 ended, ")
+    code, _, err = cli(api, "logs", job_id, "--run", "3")
+    assert code == 3 and f"No log of run 3 of job {job_id} was saved; runs 0, 1 and 2 have one (" in err
     with api.client() as http:
         refused = http.get(f"/jobs/{job_id}/logs", params={"previous": "true", "follow": "true"})
-    assert refused.status_code == 400 and refused.json()["error"]["code"] == "previous_not_supported"
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "previous_not_supported"
+        refused = http.get(f"/jobs/{job_id}/logs", params={"run": 1, "follow": "true"})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "run_not_supported"
+        assert http.get(f"/jobs/{job_id}/logs", params={"run": -1}).status_code == 422
 
 
 def test_local_logs_have_no_previous(client: TestClient, dataset: Path) -> None:
@@ -262,6 +283,13 @@ def test_local_logs_have_no_previous(client: TestClient, dataset: Path) -> None:
     job = client.post("/jobs", json={"name": "local", "model": "tiny", "dataset_uri": str(dataset)}).json()
     answer = client.get(f"/jobs/{job['id']}/logs", params={"previous": "true"})
     assert answer.status_code == 400 and answer.json()["error"]["code"] == "previous_not_supported"
+    answer = client.get(f"/jobs/{job['id']}/logs", params={"run": 0})
+    assert answer.status_code == 400 and answer.json()["error"] == {
+        "code": "run_not_supported",
+        "message": "This server runs jobs as local processes, whose log file keeps every run's lines; "
+        "drop run.",
+        "param": "run",
+    }
     assert client.get(f"/jobs/{job['id']}/logs").json()["saved_at"] is None
 
 
