@@ -828,11 +828,14 @@ class _ShardedData:
         check_objective(documents, "the data", "dpo" if self.pairs else "sft")  # (pairs alone, or none)
         mine = [shard_documents(documents, seed, shard, num_shards) for shard in self.shard_indices]
         documents_here = [d for shard in mine for d in shard]
-        encoded = iter(encode_documents(documents_here, tokenizer, num_threads, train_on_inputs))
+        encoded = encode_documents(documents_here, tokenizer, num_threads, train_on_inputs)
+        # Each encoded document's tokens (a preference pair's two replies apart), for `summarize`.
+        self.document_tokens = np.fromiter((len(d.tokens) for d in encoded), np.int64, len(encoded))
         per_document = 2 if self.pairs else 1
+        rest = iter(encoded)
         self.shards = [
             PackedShard(
-                [next(encoded) for _ in range(per_document * len(shard))], max_seq_len + 1, pad_id, self.pairs
+                [next(rest) for _ in range(per_document * len(shard))], max_seq_len + 1, pad_id, self.pairs
             )
             for shard in mine
         ]
@@ -995,9 +998,8 @@ def summarize(
     """The documents' kinds, tokens and trained tokens, packed as one process of a job of `max_seq_len`
     packs them (its validation data: all of them, in the order of seed 0)."""
     packed = EvalData(documents, tokenizer, max_seq_len, 1, 0, [0], 1, train_on_inputs=train_on_inputs)
-    lengths = [len(document.tokens) for document in encode_documents(documents, tokenizer)]
-    if packed.pairs:
-        lengths = [chosen + rejected for chosen, rejected in zip(lengths[::2], lengths[1::2], strict=True)]
+    tokens = packed.document_tokens
+    lengths = (tokens.reshape(-1, 2).sum(axis=1) if packed.pairs else tokens).tolist()  # (a pair's: both)
     return DatasetSummary(
         texts=sum(isinstance(document, str) for document in documents),
         chats=sum(isinstance(document, tuple) for document in documents),

@@ -345,7 +345,9 @@ def test_check_data_says_what_a_dataset_holds_and_packs_into(
     share = stats.target_tokens / stats.tokens
     assert f"  tokens: {stats.tokens:,}, trained {stats.target_tokens:,} ({share:.1%});" in out
     assert f"  max_seq_len 64: {stats.rows:,} rows, {stats.pad_fraction:.1%} padding" in out
-    longer = sum(len(d.tokens) > 65 for d in encode_documents(documents, tiny_tokenizer))
+    lengths = sorted(len(d.tokens) for d in encode_documents(documents, tiny_tokenizer))
+    assert f"; per document median {lengths[4]:,}, longest {lengths[-1]:,}\n" in out
+    longer = sum(length > 65 for length in lengths)
     assert longer > 0 and f"; {longer} documents longer than a row, packed in pieces" in out
     # train_on_inputs trains the chat's user turn and the prompt too.
     assert cli.main([*args, "--train-on-inputs"]) == 0
@@ -362,7 +364,9 @@ def test_check_data_says_what_a_dataset_holds_and_packs_into(
     assert cli.main(["check-data", pairs, *tokenizer]) == 0
     out = capsys.readouterr().out
     scored = EvalData(read_documents(pairs), tiny_tokenizer, 512, 1, 0, [0], 1).stats
-    assert out.startswith(f"{pairs}: 3 records (3 preference pairs)\n") and "per pair median" in out
+    assert out.startswith(f"{pairs}: 3 records (3 preference pairs)\n")
+    both = sum(len(d.tokens) for d in encode_documents(read_documents(pairs)[:1], tiny_tokenizer))
+    assert f"; per pair median {both:,}, longest {both:,}\n" in out  # (its chosen and rejected replies)
     assert f"  tokens: {scored.tokens:,}, scored {scored.target_tokens:,} (" in out
     assert cli.main(["check-data", pairs, *tokenizer, "--train-on-inputs"]) == 2
     assert "preference pairs train on their replies alone" in capsys.readouterr().err
