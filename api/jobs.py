@@ -40,6 +40,7 @@ from api.tenants import Limits
 from api.validation import check_spec
 from worker.config import JobSpec, for_tenant
 from worker.protocol import (
+    REWARDS,
     CheckpointReport,
     DataFigures,
     DataReport,
@@ -1383,8 +1384,7 @@ METRIC_FIELDS = (
     "chosen_reward",
     "rejected_reward",
 )
-REWARD_FIELDS = ("chosen_reward", "rejected_reward", "eval_chosen_reward", "eval_rejected_reward")
-EVAL_FIELDS = ("eval_loss", "eval_accuracy", *REWARD_FIELDS[2:])
+EVAL_FIELDS = ("eval_loss", "eval_accuracy", *REWARDS[2:])
 
 
 def metrics_history(
@@ -1459,7 +1459,7 @@ def saved_runs(session: Session, job: Job) -> list[int]:
     return list(session.exec(query))
 
 
-CHECKPOINT_FIELDS = ("loss", "eval_loss", "accuracy", "eval_accuracy", *REWARD_FIELDS)
+CHECKPOINT_FIELDS = ("loss", "eval_loss", "accuracy", "eval_accuracy", *REWARDS)
 
 
 def _checkpoint_events(connection: Connection, *job: Any) -> list[tuple[int, datetime, dict[str, Any]]]:

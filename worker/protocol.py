@@ -87,7 +87,8 @@ _CHOSEN_REWARD = (
     "log-probability a token). Falling below 0: the chosen replies grow less likely too."
 )
 _REJECTED_REWARD = "A dpo job's: the same for the rejected replies; the gap to the chosen's is the margin."
-# A dpo job's rewards, in checkpoint and result reports (the figures of the weights they hold).
+# A dpo job's rewards, training and held out: in checkpoint and result reports, the figures of the weights
+# they hold.
 REWARDS = ("chosen_reward", "rejected_reward", "eval_chosen_reward", "eval_rejected_reward")
 
 
@@ -141,8 +142,8 @@ class CheckpointReport(_Report):
     eval_accuracy: Accuracy | None = None
     chosen_reward: float | None = Field(default=None, description=_CHOSEN_REWARD)
     rejected_reward: float | None = Field(default=None, description=_REJECTED_REWARD)
-    eval_chosen_reward: float | None = None
-    eval_rejected_reward: float | None = None
+    eval_chosen_reward: float | None = Field(default=None, description=_CHOSEN_REWARD)
+    eval_rejected_reward: float | None = Field(default=None, description=_REJECTED_REWARD)
 
     _nan_to_none = field_validator(*REWARDS, mode="before")(_finite_or_none)
 
@@ -167,8 +168,8 @@ class ResultReport(_Report):
     eval_accuracy: Accuracy | None = None
     chosen_reward: float | None = Field(default=None, description=_CHOSEN_REWARD)
     rejected_reward: float | None = Field(default=None, description=_REJECTED_REWARD)
-    eval_chosen_reward: float | None = None
-    eval_rejected_reward: float | None = None
+    eval_chosen_reward: float | None = Field(default=None, description=_CHOSEN_REWARD)
+    eval_rejected_reward: float | None = Field(default=None, description=_REJECTED_REWARD)
     trained_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] | None = None
     train_seconds: Annotated[float, Field(ge=0)] | None = None
 

@@ -58,6 +58,7 @@ from worker.data import (
 from worker.exports import export_formats
 from worker.hf import hf_tokenizer, is_hf_model
 from worker.protocol import (
+    REWARDS,
     CheckpointReport,
     DataReport,
     ErrorReport,
@@ -122,8 +123,7 @@ class Evaluated(NamedTuple):
 def _train_rewards(values: Mapping[str, Any]) -> dict[str, float | None]:
     """A dpo job's step rewards in `values` (a step's metrics, a checkpoint's position): {} for others, and
     from a checkpoint saved before they were kept."""
-    names = ("chosen_reward", "rejected_reward")
-    return {name: values[name] for name in names if values.get(name) is not None}
+    return {name: values[name] for name in REWARDS[:2] if values.get(name) is not None}
 
 
 class LossNotFinite(Exception):

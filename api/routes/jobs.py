@@ -611,6 +611,13 @@ def job_logs(
     served, with `saved_at`, once no pod has a log; `previous=true` asks for it while one does, and
     `run=N` for an earlier run's."""
     job = service.get_job(session, principal.scope, job_id)
+    if previous and run is not None:
+        raise ApiError(
+            400,
+            "conflicting_params",
+            "previous asks for the latest run's saved log, run for one run's; drop one of them.",
+            param="run",
+        )
     asked = "run" if run is not None else "previous" if previous else None  # (a saved log)
     if asked and follow:
         raise ApiError(

@@ -276,6 +276,8 @@ def test_a_runs_log_is_saved_as_it_ends_and_served_once_its_pods_are_gone(
         refused = http.get(f"/jobs/{job_id}/logs", params={"run": 1, "follow": "true"})
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "run_not_supported"
         assert http.get(f"/jobs/{job_id}/logs", params={"run": -1}).status_code == 422
+        both = http.get(f"/jobs/{job_id}/logs", params={"run": 1, "previous": "true"})
+        assert both.status_code == 400 and both.json()["error"]["code"] == "conflicting_params"
 
 
 def test_local_logs_have_no_previous(client: TestClient, dataset: Path) -> None:
