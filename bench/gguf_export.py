@@ -24,6 +24,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 TYPES = ("f32", "f16", "bf16", "q8_0")
+CHAT = [
+    {"role": "system", "content": "You tell short stories to children."},
+    {"role": "user", "content": "Tell me a story about a cat who finds a hat."},
+]
 
 
 def side(request_path: str) -> None:
@@ -51,7 +55,13 @@ def side(request_path: str) -> None:
 def llama_side(request_path: str) -> None:
     """In a process of the `--llama-cpp` Python (llama-cpp-python): llama.cpp's own run of the GGUF file,
     as llama-cli and ollama run it: the mean loss on the token rows (each evaluated whole, every position's
-    logits kept), how many stories its tokenizer splits as the worker's does, and a greedy continuation."""
+    logits kept), how many stories its tokenizer splits as the worker's does, and a greedy continuation.
+    Then a chat: the file's chat template applied by llama.cpp's own (C++) template code, as llama-cli and
+    llama-server apply it, tokenized, against the worker's prompt tokens; and llama-cpp-python's chat
+    completion (its Jinja rendering of the template) against a greedy completion of the worker's tokens."""
+    import ctypes
+
+    import llama_cpp
     import numpy as np
     from llama_cpp import Llama
 
@@ -73,10 +83,33 @@ def llama_side(request_path: str) -> None:
     )
     llm.reset()
     completion = llm(request["prompt"], max_tokens=24, temperature=0.0)["choices"][0]["text"]
+
+    chat, worker_ids = request["chat"], request["chat_ids"]
+    messages = (llama_cpp.llama_chat_message * len(chat))(
+        *(llama_cpp.llama_chat_message(role=m["role"].encode(), content=m["content"].encode()) for m in chat)
+    )
+    template = llm.metadata["tokenizer.chat_template"].encode()
+    buffer = ctypes.create_string_buffer(1 << 16)
+    size = llama_cpp.llama_chat_apply_template(template, messages, len(chat), True, buffer, len(buffer))
+    rendered = buffer.raw[:size].decode() if size > 0 else None  # (negative: a template it cannot apply)
+    cpp_ids = (
+        llm.tokenize(rendered.encode(), add_bos=not rendered.startswith("<bos>"), special=True)
+        if rendered is not None
+        else None
+    )
+    llm.reset()
+    answer = llm.create_chat_completion(chat, max_tokens=24, temperature=0.0)
+    reply = answer["choices"][0]["message"]["content"]
+    llm.reset()
+    direct = llm.create_completion(worker_ids, max_tokens=24, temperature=0.0)["choices"][0]["text"]
     result = {
         "loss": float(np.concatenate(losses).mean()),
         "same_tokens": int(same),
         "completion": completion,
+        "chat_rendered": rendered,
+        "chat_template_same_tokens": cpp_ids == worker_ids,
+        "chat_reply": reply,
+        "chat_reply_same": reply == direct,
     }
     Path(request["result"]).write_text(json.dumps(result))
 
@@ -126,6 +159,7 @@ def main() -> int:
     from worker.config import DEFAULT_SAMPLE_PROMPT
     from worker.gguf_export import export_gguf
     from worker.gguf_import import gguf_default_path, gguf_tokenizer_model, load_gguf_params
+    from worker.model import _prompt_ids
     from worker.stories import generate_stories
     from worker.tokenizer import Tokenizer
 
@@ -135,6 +169,10 @@ def main() -> int:
     model = gm.nn.Gemma3_270M()
     stories = generate_stories(16, 7)
     rows = [np.asarray([tokenizer.bos_id, *tokenizer.encode(story)], np.int32) for story in stories]
+    # A chat's generation prompt as the worker tokenizes it (its system message folded into the user turn,
+    # as training data's is): what llama.cpp's rendering of the file's chat template should come to.
+    system, user = (message["content"] for message in CHAT)
+    chat_ids = _prompt_ids(tokenizer, f"{system}\n\n{user}", chat=True)
 
     @jax.jit
     def token_losses(params: Any, row: Any) -> Any:
@@ -180,6 +218,7 @@ def main() -> int:
             )
             if args.llama_cpp:
                 request |= {"texts": stories, "prompt": DEFAULT_SAMPLE_PROMPT}
+                request |= {"chat": CHAT, "chat_ids": chat_ids}
                 answer = run_side(args.llama_cpp, "--llama-side", request, work)
                 if answer is None:
                     return 1
@@ -190,12 +229,20 @@ def main() -> int:
                     "llama_cpp_same_tokens": llama["same_tokens"],
                     "llama_cpp_s": round(ran, 1),
                     "llama_cpp_completion": llama["completion"],
+                    "llama_cpp_chat_template_same_tokens": llama["chat_template_same_tokens"],
+                    "llama_cpp_chat_reply_same": llama["chat_reply_same"],
                 }
                 print(
                     f"{outtype:>5}: llama.cpp from the file: {llama['loss']:.4f} nats/token "
                     f"({llama['loss'] - reference:+.4f}; loaded and run in {ran:.0f} s); its tokenizer "
                     f"splits {llama['same_tokens']} of {len(stories)} stories as the worker's; greedy after "
                     f"{DEFAULT_SAMPLE_PROMPT!r}: {llama['completion']!r}"
+                )
+                print(
+                    f"{outtype:>5}: llama.cpp's chat template code renders {llama['chat_rendered']!r}, "
+                    f"{'the' if llama['chat_template_same_tokens'] else 'NOT the'} worker's prompt tokens; "
+                    f"its chat completion {llama['chat_reply']!r} is "
+                    f"{'the' if llama['chat_reply_same'] else 'NOT the'} greedy completion of those tokens"
                 )
             path.unlink()
     print(json.dumps(figures))
