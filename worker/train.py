@@ -883,7 +883,7 @@ class _Run:
         if hyper.exports_best and lowest is not None and lowest.step != step:
             if lowest.step == 0 or lowest.step in self.checkpoints.steps():
                 del state  # (its memory, before the lowest eval's weights are loaded)
-                state, evaluated, exported = self._lowest_state(), lowest, lowest.step
+                state, evaluated, exported = self._lowest_state(frozen), lowest, lowest.step
             else:  # (not kept: removed by hand)
                 self.reporter.send(
                     WarningReport(
@@ -1027,7 +1027,7 @@ class _Run:
             f"{exported}"
         )
 
-    def _lowest_state(self) -> Params:
+    def _lowest_state(self, frozen: Params) -> Params:
         """The state (its params) of the lowest eval loss, for export_best: from its checkpoint (kept), or
         at step 0 the initial weights. Sets the train figures to that step's."""
         lowest = self.lowest_eval
@@ -1038,6 +1038,8 @@ class _Run:
             self.last_rewards = {}
             if self.model.lora_rank is not None:
                 return {"params": self.model.init_lora(self.hyper.seed, self.param_shardings[0])}
+            if frozen:  # (a full dpo job's reference: its initial weights, in memory; not a second copy)
+                return {"params": frozen}
             why = "the lowest eval loss was before training: "
             return {"params": self._initial_params(self.param_shardings, why)[0]}
         state, position = self.checkpoints.restore(lowest.step, self.placed_state)

@@ -18,7 +18,7 @@ from tests.worker.helpers import (  # noqa: F401
     tiny_config,
     write_preference_pairs,
 )
-from tests.worker.test_train import saved_params
+from tests.worker.test_train import same_arrays, saved_params
 from worker import model as gemma
 from worker import train
 from worker.config import EXIT_OK
@@ -341,3 +341,20 @@ def test_a_dpo_runs_checkpoints_and_export_carry_the_rewards_of_their_weights(
         evals[4].eval_rejected_reward,
     )
     assert result.chosen_reward != resumed.of_kind("metrics")[-1].chosen_reward
+
+
+def test_a_full_dpo_run_that_exports_its_initial_weights_takes_its_reference_from_memory(
+    tmp_path: Path, pairs_path: Path, tiny_tokenizer_path: Path, tiny: tuple[gemma.Model, Any]
+) -> None:
+    """export_best of a full dpo job whose eval at step 0 stays the lowest (a learning rate that makes the
+    first step worse; early stopping ends the run there): the weights exported are the initial ones, taken
+    from its reference in memory, not loaded a second time (for a large model, minutes and another copy)."""
+    hyper = {"learning_rate": 0.3, "eval_every_steps": 1, "early_stopping_patience": 1}
+    recorder = dpo_run(tmp_path, pairs_path, tiny_tokenizer_path, **hyper)
+    evals = recorder.of_kind("eval")
+    assert [e.step for e in evals] == [0, 1] and evals[1].eval_loss > evals[0].eval_loss  # (the premise)
+    (result,) = recorder.of_kind("result")
+    assert (result.step, result.exported_step, result.loss, result.chosen_reward) == (1, 0, None, None)
+    assert same_arrays(saved_params(tmp_path / "final" / "params"), tiny[1])
+    loads = [s.message for s in recorder.of_kind("status") if "loading the base weights" in s.message]
+    assert loads == ["loading the base weights of tiny"]  # (once, at the start)
