@@ -110,8 +110,8 @@ class Evaluated(NamedTuple):
     chosen_reward: float | None = None
     rejected_reward: float | None = None
 
-    def reported(self) -> dict[str, float | None]:
-        """Its figures as checkpoint and result reports name them."""
+    def reported(self) -> dict[str, Any]:
+        """Its figures as eval, checkpoint and result reports name them."""
         return {
             "eval_loss": self.loss,
             "eval_accuracy": self.accuracy,
@@ -120,10 +120,15 @@ class Evaluated(NamedTuple):
         }
 
 
-def _train_rewards(values: Mapping[str, Any]) -> dict[str, float | None]:
-    """A dpo job's step rewards in `values` (a step's metrics, a checkpoint's position): {} for others, and
-    from a checkpoint saved before they were kept."""
-    return {name: values[name] for name in REWARDS[:2] if values.get(name) is not None}
+# A step's figures that its checkpoints and the result report (the weights' at that step): a dpo job's
+# rewards besides the loss and accuracy.
+STEP_FIGURES = ("loss", "accuracy", *REWARDS[:2])
+
+
+def _step_figures(values: Mapping[str, Any]) -> dict[str, float]:
+    """The `STEP_FIGURES` in `values` (a step's metrics, a checkpoint's position) that it has: not a dpo
+    job's rewards for other jobs, nor a figure a checkpoint saved before it was kept."""
+    return {name: values[name] for name in STEP_FIGURES if values.get(name) is not None}
 
 
 class LossNotFinite(Exception):
@@ -430,7 +435,8 @@ def make_train_step(
         grads = jax.tree.map(lambda g: g / denominator, grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         metrics = {
-            **{name: total / denominator for name, total in more.items()},
+            # (not the watched figure: only evals read it)
+            **{name: total / denominator for name, total in more.items() if name != CHOSEN_LOGP},
             "loss": loss_sum / denominator,
             "accuracy": correct / denominator,
             "tokens": tokens,
@@ -609,10 +615,8 @@ class _Run:
         self.options = options
         self.signals = signals
         self.trained_tokens = 0
-        self.last_loss: float | None = None
-        self.last_accuracy: float | None = None
-        # A dpo job's last step's rewards, chosen and rejected, as its checkpoints and result report them.
-        self.last_rewards: dict[str, float | None] = {}
+        # The last step's `STEP_FIGURES`, as its checkpoints and the result report them.
+        self.last_step: dict[str, float] = {}
         self.last_eval: Evaluated | None = None
         # Early stopping: the best eval so far, and how many evals since have not bettered it.
         self.best_eval: tuple[int, float] | None = None
@@ -742,9 +746,7 @@ class _Run:
         else:
             frozen = self._initial_params(shardings, "the reference model: ")[0] if full_reference else {}
         state, position = self.checkpoints.restore(latest, self.placed_state)
-        self.trained_tokens, self.last_loss = int(position.get("trained_tokens", 0)), position.get("loss")
-        self.last_accuracy = position.get("accuracy")  # (None from a checkpoint saved before it was kept)
-        self.last_rewards = _train_rewards(position)
+        self.trained_tokens, self.last_step = int(position.get("trained_tokens", 0)), _step_figures(position)
         self.chosen_logp_start = position.get("chosen_logp_start")
         if position.get("best_eval_step") is not None:
             self.best_eval = (int(position["best_eval_step"]), float(position["best_eval_loss"]))
@@ -930,8 +932,7 @@ class _Run:
         step_seconds = elapsed if step_seconds is None else 0.9 * step_seconds + 0.1 * elapsed
         self._clock = (now, step_seconds)
         self.trained_tokens += int(values["tokens"])
-        self.last_loss, self.last_accuracy = values["loss"], values["accuracy"]
-        self.last_rewards = _train_rewards(values)
+        self.last_step = _step_figures(values)
         self.reporter.send(
             MetricsReport(
                 step=step + 1,
@@ -968,15 +969,7 @@ class _Run:
             self.lowest_eval = evaluated
             if self.hyper.exports_best:  # (its checkpoint, saved next: kept from that save on)
                 self.checkpoints.keep(step)
-        self.reporter.send(
-            EvalReport(
-                step=step,
-                eval_loss=evaluated.loss,
-                eval_accuracy=evaluated.accuracy,
-                eval_tokens=int(tokens),
-                **{f"eval_{name}": value for name, value in means.items()},
-            )
-        )
+        self.reporter.send(EvalReport(step=step, eval_tokens=int(tokens), **evaluated.reported()))
         if chosen_logp is not None:
             chosen_logp /= max(count, 1.0)
             if step == 0:
@@ -1034,8 +1027,7 @@ class _Run:
         assert lowest is not None
         self.checkpoints.wait()
         if lowest.step == 0:  # (the base model's: a fresh adapter on it, or the base weights again)
-            self.last_loss = self.last_accuracy = None
-            self.last_rewards = {}
+            self.last_step = {}
             if self.model.lora_rank is not None:
                 return {"params": self.model.init_lora(self.hyper.seed, self.param_shardings[0])}
             if frozen:  # (a full dpo job's reference: its initial weights, in memory; not a second copy)
@@ -1043,8 +1035,7 @@ class _Run:
             why = "the lowest eval loss was before training: "
             return {"params": self._initial_params(self.param_shardings, why)[0]}
         state, position = self.checkpoints.restore(lowest.step, self.placed_state)
-        self.last_loss, self.last_accuracy = position.get("loss"), position.get("accuracy")
-        self.last_rewards = _train_rewards(position)
+        self.last_step = _step_figures(position)
         return state
 
     def _save(self, state: Params, step: int) -> None:
@@ -1053,9 +1044,7 @@ class _Run:
         position = {
             **self.train_data.position(step),
             "trained_tokens": self.trained_tokens,
-            "loss": self.last_loss,
-            "accuracy": self.last_accuracy,
-            **self.last_rewards,
+            **self.last_step,
             "best_eval_step": best_step,
             "best_eval_loss": best,
             "stale_evals": self.stale_evals,
@@ -1081,7 +1070,7 @@ class _Run:
         """What a checkpoint or result reports of the weights it holds: their last step's figures, and
         those of `evaluated` (their step's eval), if any."""
         held_out = evaluated.reported() if evaluated else {}
-        return {"loss": self.last_loss, "accuracy": self.last_accuracy, **self.last_rewards, **held_out}
+        return {**self.last_step, **held_out}
 
     def _export(self, state: Params, frozen: Params, weights_step: int, step: int) -> str:
         """Write the weights of step `weights_step` (the run ended at `step`) under `{output_uri}/final`;
